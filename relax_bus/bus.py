@@ -1,0 +1,94 @@
+"""`Bus`: one connection to one run — its config, topology, publisher, stores and state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import TracebackType
+
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext, api
+from nats.js.kv import KeyValue
+
+from relax_bus.blobs import BlobStore
+from relax_bus.connection import connect
+from relax_bus.provision import read_config, state_kv
+from relax_bus.publisher import Publisher
+from relax_bus.settings import ConnectionSettings, RunConfig
+from relax_bus.topology import Topology, build_topology
+from relax_bus.version import PolicyVersion
+from schemas import Message
+
+
+@dataclass
+class Bus:
+    """Everything a role needs to talk to its run."""
+
+    nc: NATS
+    js: JetStreamContext
+    config: RunConfig
+    topology: Topology
+    publisher: Publisher
+    media: BlobStore
+    weights: BlobStore
+    state: KeyValue
+    workers: KeyValue
+    version: PolicyVersion
+
+    @classmethod
+    async def connect(
+        cls, settings: ConnectionSettings, run: str, *, name: str = "relax", retry_for_s: float = 0.0
+    ) -> Bus:
+        """Connect and load the run's config from KV (RunNotFound if `relax init` never ran)."""
+        nc = await connect(settings, name=name, retry_for_s=retry_for_s)
+        try:
+            return await cls.attach(nc, run)
+        except BaseException:
+            await nc.close()
+            raise
+
+    @classmethod
+    async def attach(cls, nc: NATS, run: str) -> Bus:
+        """Build a Bus over an existing connection."""
+        js = nc.jetstream(timeout=10.0)
+        config = await read_config(js, run)
+        assert config is not None
+        topology = build_topology(config)
+        max_payload = int(nc.max_payload or 1 << 20)
+        media = BlobStore(js, topology.object_store("media"), max_payload)
+        state = await state_kv(js, run)
+        return cls(
+            nc=nc,
+            js=js,
+            config=config,
+            topology=topology,
+            publisher=Publisher(js, media, min(config.bus.claim_check_bytes, max_payload - 8192)),
+            media=media,
+            weights=BlobStore(js, topology.object_store("weights"), max_payload),
+            state=state,
+            workers=await js.key_value(topology.bucket("workers")),
+            version=PolicyVersion(state),
+        )
+
+    @property
+    def run(self) -> str:
+        return self.config.run
+
+    async def publish(self, subject_key: str, message: Message, msg_id: str | None = None) -> api.PubAck:
+        """Publish to one of the run's subjects by key (prompts, rollouts, scored, train, dlq, events)."""
+        return await self.publisher.publish(self.topology.subject(subject_key), message, msg_id)
+
+    async def close(self) -> None:
+        """Flush and close the connection (pending acks and publishes go out first)."""
+        if not self.nc.is_closed:
+            try:
+                await self.nc.drain()
+            except Exception:  # tolerated: draining a connection that is already broken
+                await self.nc.close()
+
+    async def __aenter__(self) -> Bus:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()

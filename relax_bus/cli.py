@@ -1,0 +1,149 @@
+"""The `relax` command. Arguments are parsed first; heavy modules are imported per command after."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="relax", description="Relax-bus: asynchronous RL post-training over NATS JetStream."
+    )
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def with_nats(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        sp.add_argument(
+            "--nats-url",
+            help="NATS server URL(s), comma-separated (default: $RELAX_NATS_URL or nats://127.0.0.1:4222)",
+        )
+        return sp
+
+    s = sub.add_parser("server", help="run an embedded nats-server with JetStream until interrupted")
+    s.add_argument("--port", type=int, default=4222, help="client port (0 picks a free one; default 4222)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--store-dir", default="./.relax/nats", help="JetStream file store (default ./.relax/nats)")
+    s.add_argument("--monitor-port", type=int, help="HTTP monitoring port (off by default)")
+    s.add_argument("--nats-server-bin", help="path of the nats-server binary (default: found automatically)")
+
+    i = with_nats(sub.add_parser("init", help="create or update a run's streams, consumers and stores from CONFIG"))
+    i.add_argument("config", help="run config (YAML or JSON)")
+    i.add_argument("--json", action="store_true", help="print the result as JSON")
+
+    n = with_nats(sub.add_parser("inspect", help="show a run: streams, consumers, state, live workers, dead letters"))
+    n.add_argument("run", help="run id")
+    n.add_argument("--json", action="store_true", help="print the result as JSON")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from relax_bus import log
+    from relax_bus.errors import RelaxBusError
+
+    log.configure(args.log_level)
+    try:
+        if args.command == "server":
+            return _server(args)
+        return asyncio.run(_COMMANDS[args.command](args))
+    except RelaxBusError as err:
+        print(f"relax: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _settings(args: argparse.Namespace) -> Any:
+    from pydantic import ValidationError
+
+    from relax_bus.errors import ConfigError
+    from relax_bus.settings import ConnectionSettings, validation_problems
+
+    try:
+        overrides = {"nats_url": args.nats_url} if getattr(args, "nats_url", None) else {}
+        return ConnectionSettings(**overrides)
+    except ValidationError as err:
+        raise ConfigError("connection settings (flags / RELAX_* environment)", validation_problems(err)) from None
+
+
+async def _init(args: argparse.Namespace) -> int:
+    from relax_bus.connection import connect
+    from relax_bus.provision import provision
+    from relax_bus.settings import load_run_config
+
+    config = load_run_config(args.config)
+    nc = await connect(_settings(args), name="relax-init")
+    try:
+        report = await provision(nc.jetstream(timeout=10.0), config)
+    finally:
+        await nc.close()
+    if args.json:
+        print(json.dumps({"run": config.run, **vars(report)}, indent=2))
+    else:
+        print(
+            f"run {config.run}: {len(report.created)} created, {len(report.updated)} updated, "
+            f"{len(report.unchanged)} unchanged"
+        )
+        for what in ("created", "updated"):
+            for name in getattr(report, what):
+                print(f"  {what:8} {name}")
+    return 0
+
+
+async def _inspect(args: argparse.Namespace) -> int:
+    from relax_bus.connection import connect
+    from relax_bus.inspect import gather, render
+
+    nc = await connect(_settings(args), name="relax-inspect")
+    try:
+        info = await gather(nc.jetstream(timeout=10.0), args.run)
+    finally:
+        await nc.close()
+    print(json.dumps(info, indent=2) if args.json else render(info))
+    return 0
+
+
+def _server(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from relax_bus.server import EmbeddedServer, free_port
+
+    server = EmbeddedServer(
+        port=args.port or free_port(args.host),
+        host=args.host,
+        store_dir=args.store_dir,
+        binary=args.nats_server_bin or _settings(args).nats_server_bin,
+        monitor_port=args.monitor_port,
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    server.start()
+    print(
+        f"nats-server {server.url} (pid {server.pid}, JetStream store {server.store_dir}); Ctrl-C stops it",
+        flush=True,
+    )
+    try:
+        while not stop.wait(0.5):
+            if server.proc is not None and server.proc.poll() is not None:
+                print(
+                    f"relax: error: nats-server exited with code {server.proc.returncode}:\n{server.log_tail()}",
+                    file=sys.stderr,
+                )
+                return 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+_COMMANDS = {"init": _init, "inspect": _inspect}
+
+if __name__ == "__main__":
+    sys.exit(main())

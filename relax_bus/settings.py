@@ -1,0 +1,236 @@
+"""Settings: the NATS connection (from flags or RELAX_* environment variables) and the run config.
+
+The run config is a YAML or JSON file given to `relax init`; it is validated here, stored in the
+run's KV bucket, and read back by every worker, which therefore needs only `--nats-url` and `--run`.
+Every validation problem is reported at once (`ConfigError.problems`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from relax_bus.errors import ConfigError
+
+RUN_ID = r"^[A-Za-z0-9_-]{1,48}$"
+
+
+def _split_urls(value: Any) -> Any:
+    if isinstance(value, str):
+        return [u.strip() for u in value.split(",") if u.strip()]
+    return value
+
+
+class ConnectionSettings(BaseSettings):
+    """How to reach NATS. Every field can be set as RELAX_<FIELD> in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="RELAX_", extra="ignore", frozen=True)
+
+    nats_url: Annotated[list[str], NoDecode, BeforeValidator(_split_urls)] = Field(
+        default_factory=lambda: ["nats://127.0.0.1:4222"], min_length=1
+    )
+    """Server URL(s); several, comma-separated, for a cluster."""
+    user: str | None = None
+    """User name for user/password authentication."""
+    password: str | None = None
+    """Password for user/password authentication."""
+    token: str | None = None
+    """Token for token authentication."""
+    creds_file: Path | None = None
+    """NATS credentials file (JWT + nkey) for decentralised authentication."""
+    tls_ca_file: Path | None = None
+    """CA bundle that signs the server's certificate (enables TLS)."""
+    tls_cert_file: Path | None = None
+    """Client certificate for mutual TLS."""
+    tls_key_file: Path | None = None
+    """Client key for mutual TLS."""
+    connect_timeout_s: float = Field(default=3.0, gt=0)
+    """How long the first connection may take before the command gives up."""
+    nats_server_bin: Path | None = None
+    """Explicit path of the nats-server binary used by `relax server` and the tests."""
+
+    @model_validator(mode="after")
+    def _tls_pairs(self) -> ConnectionSettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file must be given together")
+        return self
+
+
+class StalenessConfig(BaseModel):
+    """How far rollouts may lag behind the trainer."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_staleness: int | None = Field(default=1, ge=0)
+    """Largest allowed trainer version minus sample version; 0 is on-policy, null (or "unbounded") is
+    fully asynchronous."""
+    action: Literal["drop", "requeue"] = "drop"
+    """What the trainer does with a stale group: drop it, or send its prompt back for fresh generation."""
+    max_requeues: int = Field(default=2, ge=0)
+    """How often one prompt group may be requeued before it is dropped."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unbounded(cls, data: Any) -> Any:
+        if isinstance(data, dict) and str(data.get("max_staleness", "")).lower() in {
+            "unbounded",
+            "inf",
+            "none",
+        }:
+            data = {**data, "max_staleness": None}
+        return data
+
+
+class BusConfig(BaseModel):
+    """Limits of the run's streams, consumers and stores."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    storage: Literal["file", "memory"] = "file"
+    """JetStream storage of every stream; file survives a server crash."""
+    replicas: int = Field(default=1, ge=1, le=5)
+    """Stream replicas (3 on a three-server cluster)."""
+    hop_max_msgs: int = Field(default=10_000, ge=1)
+    """Bound of each hand-off stream (prompts, rollouts, scored); a full hop pushes back on its producer."""
+    hop_max_bytes: int = Field(default=1 << 30, ge=1 << 20)
+    """Byte bound of each hand-off stream."""
+    train_max_age_s: float = Field(default=7 * 86400, gt=0)
+    """How long trained groups stay in the train stream for replay."""
+    train_max_bytes: int = Field(default=8 << 30, ge=1 << 20)
+    """Byte bound of the train stream (oldest go first)."""
+    ack_wait_s: float = Field(default=60.0, gt=0)
+    """How long a delivered message may go unacknowledged before redelivery (handlers extend it)."""
+    max_deliver: int = Field(default=5, ge=1)
+    """Deliveries of one message before it is dead-lettered."""
+    max_ack_pending: int = Field(default=256, ge=1)
+    """In-flight budget of each hop's consumer, shared by all workers of the role."""
+    duplicate_window_s: float = Field(default=1800.0, gt=0)
+    """Window in which a republished Nats-Msg-Id is recognised as a duplicate."""
+    dlq_max_age_s: float = Field(default=14 * 86400, gt=0)
+    """How long dead letters are kept."""
+    events_max_msgs: int = Field(default=100_000, ge=1)
+    """Bound of the events stream (oldest go first)."""
+    claim_check_bytes: int = Field(default=512 * 1024, ge=1024)
+    """Payloads above this size go to the object store; the message carries only their digest."""
+    weights_keep: int = Field(default=3, ge=1)
+    """Policy versions kept in the weights store."""
+    heartbeat_ttl_s: float = Field(default=15.0, ge=1)
+    """A worker that has not written its heartbeat for this long is gone."""
+
+    @model_validator(mode="after")
+    def _dedupe_covers_redelivery(self) -> BusConfig:
+        if self.duplicate_window_s < self.ack_wait_s:
+            raise ValueError(
+                f"duplicate_window_s ({self.duplicate_window_s:g}) must be at least ack_wait_s "
+                f"({self.ack_wait_s:g}) or a redelivered stage could publish its output twice"
+            )
+        return self
+
+
+class RunConfig(BaseModel):
+    """Everything that defines a run; stored in the run's KV bucket by `relax init`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run: str = Field(pattern=RUN_ID)
+    """Run id: letters, digits, '-' and '_' (it names streams and buckets)."""
+    groups_per_step: int = Field(default=8, ge=1)
+    """Prompt groups per optimizer step."""
+    samples_per_group: int = Field(default=8, ge=1, le=4096)
+    """Responses sampled per prompt (the GRPO group size)."""
+    reference: bool = False
+    """Put the reference role in the chain (reward -> scored -> reference -> train)."""
+    staleness: StalenessConfig = Field(default_factory=StalenessConfig)
+    bus: BusConfig = Field(default_factory=BusConfig)
+
+    @model_validator(mode="after")
+    def _hop_holds_a_step(self) -> RunConfig:
+        if self.bus.hop_max_msgs < self.groups_per_step:
+            raise ValueError(
+                f"bus.hop_max_msgs ({self.bus.hop_max_msgs}) is smaller than groups_per_step "
+                f"({self.groups_per_step}): a step could never be assembled"
+            )
+        return self
+
+
+# Settings an existing run may change on a second `relax init`; anything else is refused.
+TUNABLE = frozenset(
+    {
+        "bus.hop_max_msgs",
+        "bus.hop_max_bytes",
+        "bus.train_max_age_s",
+        "bus.train_max_bytes",
+        "bus.ack_wait_s",
+        "bus.max_deliver",
+        "bus.max_ack_pending",
+        "bus.duplicate_window_s",
+        "bus.dlq_max_age_s",
+        "bus.events_max_msgs",
+        "bus.claim_check_bytes",
+        "bus.weights_keep",
+    }
+)
+
+
+def incompatible_changes(old: RunConfig, new: RunConfig) -> list[str]:
+    """Dotted names of settings that differ between `old` and `new` and may not change in a live run."""
+    a, b = _flatten(old.model_dump()), _flatten(new.model_dump())
+    return [
+        f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
+        for k in sorted(a.keys() | b.keys())
+        if a.get(k) != b.get(k) and k not in TUNABLE
+    ]
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def load_run_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Read and validate a YAML or JSON run config; raise ConfigError listing every problem."""
+    path = Path(path)
+    source = str(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(source, [f"cannot read file: {err.strerror or err}"]) from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as err:
+        raise ConfigError(source, [f"not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {err}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError(source, [f"top level must be a mapping, got {type(data).__name__}"])
+    data.update(overrides or {})
+    return parse_run_config(data, source)
+
+
+def parse_run_config(data: dict[str, Any], source: str = "<config>") -> RunConfig:
+    """Validate a run config mapping; raise ConfigError listing every problem."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(source, validation_problems(err)) from None
+
+
+def validation_problems(err: ValidationError) -> list[str]:
+    """One readable line per pydantic error: `dotted.path: message (got value)`."""
+    problems = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<top level>"
+        msg = e["msg"].removeprefix("Value error, ")
+        got = "" if e["type"] in {"missing", "extra_forbidden"} else f" (got {e.get('input')!r})"
+        if e["type"] == "extra_forbidden":
+            msg = "unknown setting"
+        problems.append(f"{loc}: {msg}{got}")
+    return problems

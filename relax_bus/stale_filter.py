@@ -1,0 +1,91 @@
+"""The consumer-side staleness filter: a handler wrapper for roles that consume train groups.
+
+It applies `staleness.decide` against the trainer's current policy version. A stale group is
+dropped (`Drop`, reason recorded, the run's dropped-groups counter raised so the feeder gets the
+credit back) or, with `action: requeue`, its prompt is republished as the next attempt and the
+train message is acked (`Skip`). Fresh groups go to the wrapped handler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import nats.js.errors
+from nats.js.kv import KeyValue
+
+from relax_bus.bus import Bus
+from relax_bus.control import Drop, Skip
+from relax_bus.errors import VersionConflict
+from relax_bus.staleness import Verdict, decide
+from relax_bus.worker import Delivery, Handler, HandlerResult
+from schemas import RunEvent, TrainGroup
+
+DROPPED_KEY = "groups.dropped"
+
+
+async def read_counter(kv: KeyValue, key: str) -> tuple[int, int]:
+    """`(value, revision)` of an integer KV counter; `(0, 0)` when unset."""
+    try:
+        entry = await kv.get(key)
+    except nats.js.errors.KeyNotFoundError:
+        return 0, 0
+    return int(entry.value or b"0"), int(entry.revision or 0)
+
+
+async def add_to_counter(kv: KeyValue, key: str, n: int, attempts: int = 50) -> int:
+    """Add `n` to an integer KV counter with compare-and-set (safe with many writers); return the new value."""
+    for _ in range(attempts):
+        value, revision = await read_counter(kv, key)
+        new = str(value + n).encode()
+        try:
+            if revision == 0:
+                await kv.create(key, new)
+            else:
+                await kv.update(key, new, last=revision)
+            return value + n
+        except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.BadRequestError):
+            continue
+        except nats.js.errors.APIError as err:
+            if err.err_code == 10071:  # create raced with another writer
+                continue
+            raise
+    raise VersionConflict(f"counter {key} kept changing under {attempts} compare-and-set attempts")
+
+
+def stale_filter(bus: Bus, trainer_version: Callable[[], int]) -> Callable[[Handler[TrainGroup]], Handler[TrainGroup]]:
+    """Middleware: wrap a train-group handler with the run's staleness rule."""
+    rule = bus.config.staleness
+
+    def wrap(handler: Handler[TrainGroup]) -> Handler[TrainGroup]:
+        async def filtered(group: TrainGroup, delivery: Delivery) -> HandlerResult:
+            version = trainer_version()
+            prompt = group.scored.rollout.prompt
+            d = decide(
+                version,
+                group.policy_version,
+                rule.max_staleness,
+                rule.action,
+                prompt.attempt,
+                rule.max_requeues,
+            )
+            if d.verdict is Verdict.TRAIN:
+                return await handler(group, delivery)
+            if d.verdict is Verdict.REQUEUE:
+                again = prompt.model_copy(update={"attempt": prompt.attempt + 1, "released_at_version": version})
+                await bus.publish("prompts", again)
+                await bus.publish(
+                    "events",
+                    RunEvent(
+                        run=bus.run,
+                        event="group_requeued",
+                        source="stale_filter",
+                        fields={"group_id": prompt.group_id, "lag": d.lag, "reason": d.reason},
+                    ),
+                )
+                raise Skip()
+            await add_to_counter(bus.state, DROPPED_KEY, 1)
+            raise Drop(d.reason)
+
+        return filtered
+
+    return wrap

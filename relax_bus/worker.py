@@ -1,0 +1,345 @@
+"""The worker loop. A role supplies a typed handler; the bus owns everything else.
+
+Fetch in batches from the role's durable consumer, resolve claim checks, decode, call the handler
+(keeping the message alive with `in_progress()` while it runs), publish what it returns to the
+role's output subject, then ack. Control exceptions (`relax_bus.control`) and failures are mapped
+to nak / term / dead letter in `_settle`, the one place that decides. SIGTERM stops fetching,
+lets in-flight handlers finish within a grace period (naks the rest) and drains the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Generic, TypeVar, cast
+
+import nats.errors
+from nats.aio.msg import Msg
+
+from relax_bus.bus import Bus
+from relax_bus.control import Drop, Retry, Skip
+from relax_bus.envelope import open_message
+from relax_bus.errors import BlobCorrupt, BlobNotFound
+from relax_bus.heartbeat import HeartbeatWriter
+from relax_bus.log import get_logger
+from schemas import DeadLetter, Message, RunEvent, SchemaError, WorkerHeartbeat
+
+log = get_logger(__name__)
+
+In = TypeVar("In", bound=Message)
+HandlerResult = Message | Sequence[Message] | None
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What a handler may know about the delivery it is handling."""
+
+    subject: str
+    stream_seq: int
+    deliveries: int
+    """1 on the first delivery."""
+    last_attempt: bool
+    """True when a failure now dead-letters the message instead of redelivering it."""
+
+
+Handler = Callable[[In, Delivery], Awaitable[HandlerResult]]
+
+
+@dataclass
+class Counters:
+    """What a worker has done since it started; written into its heartbeat."""
+
+    received: int = 0
+    processed: int = 0
+    published: int = 0
+    retried: int = 0
+    dropped: int = 0
+    skipped: int = 0
+    dead_lettered: int = 0
+    failed: int = 0
+
+
+@dataclass
+class WorkerOptions:
+    """Knobs of one worker process."""
+
+    concurrency: int = 1
+    """Messages handled at once."""
+    fetch_timeout_s: float = 1.0
+    """Longest a fetch waits for input (bounds how fast a stop is noticed)."""
+    grace_s: float = 30.0
+    """On stop, how long in-flight handlers may take before they are cancelled and their messages nak'd."""
+    retry_backoff_s: tuple[float, ...] = (0.5, 2.0, 5.0, 10.0)
+    """Redelivery delay after an unexpected handler failure, by delivery count."""
+    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+
+
+class Worker(Generic[In]):
+    """Runs one role's handler against the run's bus."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        role: str,
+        handler: Handler[In],
+        input_type: type[In],
+        options: WorkerOptions | None = None,
+    ) -> None:
+        self.bus = bus
+        self.role = bus.topology.role(role)
+        if self.role.input is None:
+            raise ValueError(f"role {role!r} consumes nothing; it needs its own loop, not a Worker")
+        self.handler = handler
+        self.input_type = input_type
+        self.options = options or WorkerOptions()
+        self.counters = Counters()
+        self.policy_version: int | None = None
+        self.stream = bus.topology.stream(self.role.input)
+        self.consumer = bus.topology.consumer(self.role.input)
+        self.started_at = time.time()
+        self._stop = asyncio.Event()
+        self.heartbeat = HeartbeatWriter(
+            bus.workers,
+            f"{self.role.name}.{self.options.worker_id}",
+            self._heartbeat,
+            interval_s=bus.config.bus.heartbeat_ttl_s / 3,
+        )
+
+    @property
+    def worker_id(self) -> str:
+        return self.options.worker_id
+
+    def stop(self) -> None:
+        """Ask the loop to stop fetching and wind down (what SIGTERM does)."""
+        self._stop.set()
+
+    def _heartbeat(self) -> WorkerHeartbeat:
+        return WorkerHeartbeat(
+            run=self.bus.run,
+            role=self.role.name,
+            worker_id=self.worker_id,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            policy_version=self.policy_version,
+            counters=asdict(self.counters),
+            started_at=self.started_at,
+        )
+
+    async def run(self, *, until_empty: bool = False, handle_signals: bool = False) -> Counters:
+        """Consume until stopped (or, with `until_empty`, until the input has nothing pending)."""
+        loop = asyncio.get_running_loop()
+        if handle_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.stop)
+        sub = await self.bus.js.pull_subscribe_bind(self.consumer.durable, self.stream.name)
+        await self.heartbeat.beat()
+        self.heartbeat.start()
+        log.info("worker_started", role=self.role.name, worker=self.worker_id, stream=self.stream.name)
+        inflight: set[asyncio.Task[None]] = set()
+        try:
+            while not self._stop.is_set():
+                free = self.options.concurrency - len(inflight)
+                if free <= 0:
+                    await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                try:
+                    msgs = await sub.fetch(free, timeout=self.options.fetch_timeout_s)
+                except nats.errors.TimeoutError:
+                    if until_empty and not inflight and await self._input_drained():
+                        break
+                    continue
+                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError) as err:
+                    # Tolerated: NATS is away; the client reconnects and the next fetch works again.
+                    log.info("fetch_interrupted", error=type(err).__name__)
+                    await asyncio.sleep(0.5)
+                    continue
+                for msg in msgs:
+                    task = asyncio.create_task(self._handle(msg))
+                    inflight.add(task)
+                    task.add_done_callback(inflight.discard)
+        finally:
+            await self._wind_down(inflight)
+            try:
+                await sub.unsubscribe()
+            except nats.errors.Error:
+                pass  # tolerated: the subscription died with the connection
+            await self.heartbeat.stop(remove=True)
+            if handle_signals:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.remove_signal_handler(sig)
+        log.info("worker_stopped", role=self.role.name, worker=self.worker_id, **asdict(self.counters))
+        return self.counters
+
+    async def _wind_down(self, inflight: set[asyncio.Task[None]]) -> None:
+        if not inflight:
+            return
+        log.info("worker_finishing", in_flight=len(inflight), grace_s=self.options.grace_s)
+        _, pending = await asyncio.wait(set(inflight), timeout=self.options.grace_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _input_drained(self) -> bool:
+        info = await self.bus.js.consumer_info(self.stream.name, self.consumer.durable)
+        return not info.num_pending and not info.num_ack_pending
+
+    async def _handle(self, msg: Msg) -> None:
+        md = msg.metadata
+        delivery = Delivery(
+            subject=msg.subject,
+            stream_seq=md.sequence.stream,
+            deliveries=md.num_delivered,
+            last_attempt=md.num_delivered >= self.consumer.max_deliver,
+        )
+        self.counters.received += 1
+        try:
+            message = cast(In, await open_message(msg.data, msg.headers, self.bus.media, self.input_type))
+        except (SchemaError, BlobNotFound, BlobCorrupt) as err:
+            await self._dead_letter(msg, delivery, f"undecodable {self.stream.key} message: {err}")
+            return
+        keepalive = asyncio.create_task(self._keep_alive(msg))
+        try:
+            outputs = _as_list(await self.handler(message, delivery))
+            await self._publish_outputs(outputs)
+        except asyncio.CancelledError:
+            await _quietly(msg.nak())
+            raise
+        except BaseException as err:  # every outcome of the handler is settled in one place
+            await self._settle(msg, delivery, message, err)
+        else:
+            await msg.ack()
+            self.counters.processed += 1
+        finally:
+            keepalive.cancel()
+
+    async def _publish_outputs(self, outputs: list[Message]) -> None:
+        if not outputs:
+            return
+        if self.role.output is None:
+            raise RuntimeError(f"role {self.role.name} has no output subject but its handler returned messages")
+        subject = self.bus.topology.subject(self.role.output)
+        for out in outputs:
+            await self.bus.publisher.publish(subject, out)
+            self.counters.published += 1
+
+    async def _settle(self, msg: Msg, delivery: Delivery, message: Message, err: BaseException) -> None:
+        """Map a handler's exception to nak / term / ack / dead letter."""
+        if isinstance(err, Skip):
+            self.counters.skipped += 1
+            await msg.ack()
+        elif isinstance(err, Drop):
+            self.counters.dropped += 1
+            await self._term(msg, err.reason)
+            await self._event(
+                "message_dropped",
+                "info",
+                reason=err.reason,
+                seq=delivery.stream_seq,
+                group_id=_group_id(message),
+            )
+            log.info("message_dropped", role=self.role.name, reason=err.reason, seq=delivery.stream_seq)
+        elif isinstance(err, Retry):
+            if delivery.last_attempt:
+                why = err.reason or "handler asked for a retry"
+                await self._dead_letter(msg, delivery, f"gave up after {delivery.deliveries} deliveries: {why}")
+            else:
+                self.counters.retried += 1
+                await msg.nak(delay=err.delay)
+                log.info(
+                    "message_retry",
+                    role=self.role.name,
+                    delay=err.delay,
+                    seq=delivery.stream_seq,
+                    deliveries=delivery.deliveries,
+                )
+        elif isinstance(err, Exception):
+            self.counters.failed += 1
+            log.error(
+                "handler_failed",
+                role=self.role.name,
+                seq=delivery.stream_seq,
+                deliveries=delivery.deliveries,
+                exc_info=err,
+            )
+            if delivery.last_attempt:
+                reason = f"failed {delivery.deliveries} times, last: {type(err).__name__}: {err}"
+                await self._dead_letter(msg, delivery, reason)
+            else:
+                backoff = self.options.retry_backoff_s
+                await msg.nak(delay=backoff[min(delivery.deliveries, len(backoff)) - 1])
+        else:
+            await _quietly(msg.nak())
+            raise err
+
+    async def _dead_letter(self, msg: Msg, delivery: Delivery, reason: str) -> None:
+        letter = DeadLetter(
+            run=self.bus.run,
+            reason=reason,
+            source_subject=msg.subject,
+            stream_seq=delivery.stream_seq,
+            deliveries=delivery.deliveries,
+            consumer=self.consumer.durable,
+            headers={k: str(v) for k, v in (msg.headers or {}).items()},
+            payload=msg.data,
+        )
+        try:
+            await self.bus.publish("dlq", letter)
+        except Exception as err:  # tolerated: without a dead letter stored, the message must stay
+            log.error("dead_letter_failed", reason=reason, error=str(err))
+            await _quietly(msg.nak(delay=5.0))
+            return
+        self.counters.dead_lettered += 1
+        await self._term(msg, reason)
+        log.warning("message_dead_lettered", role=self.role.name, seq=delivery.stream_seq, reason=reason)
+
+    async def _term(self, msg: Msg, reason: str) -> None:
+        # msg.term() cannot carry a reason; the protocol's "+TERM <reason>" records it in the advisory.
+        if msg.reply:
+            await self.bus.nc.publish(msg.reply, b"+TERM " + reason[:512].encode())
+            msg._ackd = True
+
+    async def _keep_alive(self, msg: Msg) -> None:
+        interval = max(0.5, self.consumer.ack_wait_s / 3)
+        while True:
+            await asyncio.sleep(interval)
+            await _quietly(msg.in_progress())
+
+    async def _event(self, event: str, level: str, **fields: str | int | float | None) -> None:
+        try:
+            await self.bus.publish(
+                "events",
+                RunEvent(run=self.bus.run, event=event, level=level, source=self.worker_id, fields=fields),
+            )
+        except Exception as err:  # tolerated: events are informative; the counters still hold the truth
+            log.warning("event_lost", name=event, error=str(err))
+
+
+def _as_list(result: HandlerResult) -> list[Message]:
+    if result is None:
+        return []
+    if isinstance(result, Message):
+        return [result]
+    return list(result)
+
+
+def _group_id(message: Message) -> str | None:
+    for path in ("group_id", "prompt", "rollout", "scored"):
+        value = getattr(message, path, None)
+        if isinstance(value, str):
+            return value
+        if isinstance(value, Message):
+            return _group_id(value)
+    return None
+
+
+async def _quietly(aw: Awaitable[object]) -> None:
+    try:
+        await aw
+    except (nats.errors.Error, OSError):
+        pass  # tolerated: the connection is gone; the server redelivers after ack_wait

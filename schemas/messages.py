@@ -1,0 +1,291 @@
+"""Every message that crosses the bus, as frozen pydantic models.
+
+One message carries one GRPO group. Each stage wraps the previous stage's message, so a
+downstream role never has to join against anything:
+
+    PromptGroup -> RolloutGroup(prompt) -> ScoredGroup(rollout) -> TrainGroup(scored)
+
+`schema_version` is `MAJOR.MINOR`; a decoder accepts any minor of a major it knows and refuses
+other majors (see `schemas.codec`). Adding an optional field is a minor bump; anything else is
+a major bump.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from schemas.parts import Part
+from schemas.tensor import WireTensor
+
+SCHEMA_VERSION = "1.0"
+SCHEMA_MAJOR = 1
+
+_ID = r"^[A-Za-z0-9_.:-]{1,200}$"
+Scalar = str | int | float | bool | None
+
+
+class Message(BaseModel):
+    """Base of every bus message."""
+
+    # extra="ignore": a newer minor version may add fields an older reader does not know.
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    schema_version: str = Field(default=SCHEMA_VERSION, pattern=r"^\d+\.\d+$")
+    """`MAJOR.MINOR` of the schema the producer wrote."""
+
+
+class PromptGroup(Message):
+    """A prompt to sample `n_samples` responses for: the unit of work of one GRPO group."""
+
+    kind: Literal["prompt_group"] = "prompt_group"
+    run: str = Field(pattern=_ID)
+    """Run the group belongs to."""
+    group_id: str = Field(pattern=_ID)
+    """Stable id of the group across attempts (dataset position based)."""
+    parts: tuple[Part, ...] = Field(min_length=1)
+    """The prompt: text and media parts in order."""
+    answer: str | None = None
+    """Reference answer for verifiable rewards, if the task has one."""
+    n_samples: int = Field(ge=1, le=4096)
+    """Responses wanted for this group."""
+    attempt: int = Field(default=0, ge=0)
+    """0 for the first release; +1 each time the group is requeued as stale."""
+    release_index: int = Field(ge=0)
+    """Position of this release in the feeder's release sequence (credit accounting)."""
+    released_at_version: int = Field(ge=0)
+    """Trainer policy version when the feeder released it."""
+    epoch: int = Field(default=0, ge=0)
+    """Pass over the dataset this group comes from."""
+    index: int = Field(default=0, ge=0)
+    """Row of the dataset this group comes from."""
+    task: str | None = None
+    """Task name, used to pick the reward function."""
+    metadata: dict[str, Scalar] = Field(default_factory=dict)
+    """Free-form scalars carried along to the trainer's records."""
+
+
+class Sample(BaseModel):
+    """One sampled response of a group."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    token_ids: WireTensor
+    """Response token ids, int32/int64 `[tokens]`."""
+    logprobs: WireTensor
+    """Log-probability of each sampled token under the generating policy, float32 `[tokens]`."""
+    text: str = ""
+    """Decoded response text."""
+    finish_reason: Literal["stop", "length", "abort"] = "stop"
+    """Why generation ended."""
+
+    @model_validator(mode="after")
+    def _aligned(self) -> Sample:
+        if self.token_ids.shape != self.logprobs.shape:
+            raise ValueError(
+                f"token_ids shape {self.token_ids.shape} differs from logprobs shape {self.logprobs.shape}"
+            )
+        return self
+
+
+class RolloutTimings(BaseModel):
+    """Where a rollout's wall time went."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    queued_s: float = Field(default=0.0, ge=0)
+    """From release to the start of generation."""
+    generate_s: float = Field(default=0.0, ge=0)
+    """Generation itself."""
+    weight_sync_s: float = Field(default=0.0, ge=0)
+    """Weight loading that had to happen first."""
+
+
+class RolloutGroup(Message):
+    """The n sampled responses of a prompt group."""
+
+    kind: Literal["rollout_group"] = "rollout_group"
+    prompt: PromptGroup
+    prompt_token_ids: WireTensor
+    """Tokenised prompt, int `[tokens]`."""
+    samples: tuple[Sample, ...] = Field(min_length=1)
+    policy_version: int = Field(ge=0)
+    """Version of the weights that generated the group (the oldest, if an update happened mid-way)."""
+    engine: str = "torch"
+    """Generation engine that produced it."""
+    worker_id: str = ""
+    """Rollout worker that produced it."""
+    timings: RolloutTimings = Field(default_factory=RolloutTimings)
+
+
+class RewardDetail(BaseModel):
+    """How one sample's reward came about."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    components: dict[str, float] = Field(default_factory=dict)
+    """Named partial scores (e.g. correct, format)."""
+    error: str | None = None
+    """Set when the reward function failed; the reward is then 0."""
+
+
+class ScoredGroup(Message):
+    """A rollout group with a reward for every sample."""
+
+    kind: Literal["scored_group"] = "scored_group"
+    rollout: RolloutGroup
+    rewards: tuple[float, ...]
+    details: tuple[RewardDetail, ...] = ()
+    """One entry per sample, or empty."""
+
+    @model_validator(mode="after")
+    def _one_per_sample(self) -> ScoredGroup:
+        n = len(self.rollout.samples)
+        if len(self.rewards) != n:
+            raise ValueError(f"{len(self.rewards)} rewards for {n} samples")
+        if self.details and len(self.details) != n:
+            raise ValueError(f"{len(self.details)} reward details for {n} samples")
+        return self
+
+
+class TrainGroup(Message):
+    """What the trainer consumes: a scored group plus optional upstream extras."""
+
+    kind: Literal["train_group"] = "train_group"
+    scored: ScoredGroup
+    ref_logprobs: tuple[WireTensor, ...] | None = None
+    """Reference-model log-probs per sample (`[tokens]` each), when a KL term is on."""
+    advantages: tuple[float, ...] | None = None
+    """Per-sample advantages, when computed upstream."""
+
+    @model_validator(mode="after")
+    def _one_per_sample(self) -> TrainGroup:
+        n = len(self.scored.rollout.samples)
+        if self.ref_logprobs is not None and len(self.ref_logprobs) != n:
+            raise ValueError(f"{len(self.ref_logprobs)} reference log-prob tensors for {n} samples")
+        if self.advantages is not None and len(self.advantages) != n:
+            raise ValueError(f"{len(self.advantages)} advantages for {n} samples")
+        return self
+
+    @property
+    def group_id(self) -> str:
+        return self.scored.rollout.prompt.group_id
+
+    @property
+    def policy_version(self) -> int:
+        return self.scored.rollout.policy_version
+
+
+class WeightsAnnouncement(Message):
+    """The trainer published the weights of `version`."""
+
+    kind: Literal["weights"] = "weights"
+    run: str = Field(pattern=_ID)
+    version: int = Field(ge=0)
+    """Policy version: number of optimizer updates behind these weights."""
+    transport: str = "object_store"
+    """Weight transport that holds them (object_store, filesystem, nccl)."""
+    location: str
+    """Transport-specific address: object name, path, or group name."""
+    format: Literal["safetensors", "torch"] = "safetensors"
+    size: int = Field(ge=0)
+    """Bytes."""
+    digest: str | None = None
+    """`sha256:<hex>` of the serialized weights, when known."""
+    step: int = Field(default=0, ge=0)
+    """Trainer step that produced them."""
+    created_at: float = Field(default_factory=time.time)
+
+
+class WorkerHeartbeat(Message):
+    """A worker's own liveness record, rewritten every few seconds into a TTL bucket."""
+
+    kind: Literal["heartbeat"] = "heartbeat"
+    run: str = Field(pattern=_ID)
+    role: str
+    worker_id: str
+    pid: int
+    host: str
+    policy_version: int | None = None
+    """Weights version the worker holds, for roles that hold weights."""
+    counters: dict[str, int] = Field(default_factory=dict)
+    """Processed, retried, dropped, dead-lettered, failed, ..."""
+    started_at: float
+    at: float = Field(default_factory=time.time)
+
+
+class RunEvent(Message):
+    """Something that happened in a run, for people and dashboards."""
+
+    kind: Literal["event"] = "event"
+    run: str = Field(pattern=_ID)
+    event: str
+    """Event name, e.g. group_dropped, worker_started."""
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    source: str = ""
+    """Role or worker id that emitted it."""
+    fields: dict[str, Scalar] = Field(default_factory=dict)
+    at: float = Field(default_factory=time.time)
+
+
+class Metric(Message):
+    """Scalar metrics of one training step."""
+
+    kind: Literal["metric"] = "metric"
+    run: str = Field(pattern=_ID)
+    step: int = Field(ge=0)
+    values: dict[str, float]
+    at: float = Field(default_factory=time.time)
+
+
+class DeadLetter(Message):
+    """A message the bus gave up on, kept with the reason."""
+
+    kind: Literal["dead_letter"] = "dead_letter"
+    run: str = Field(pattern=_ID)
+    reason: str
+    """Why it was dead-lettered, readable by a person."""
+    source_subject: str
+    """Subject the message was consumed from."""
+    stream_seq: int | None = None
+    """Sequence in the source stream."""
+    deliveries: int = Field(default=1, ge=0)
+    """How many times it had been delivered."""
+    consumer: str = ""
+    """Durable consumer that gave up on it."""
+    headers: dict[str, str] = Field(default_factory=dict)
+    payload: bytes = b""
+    """The original payload (possibly truncated; see `truncated`)."""
+    truncated: bool = False
+    at: float = Field(default_factory=time.time)
+
+
+AnyMessage = Annotated[
+    PromptGroup
+    | RolloutGroup
+    | ScoredGroup
+    | TrainGroup
+    | WeightsAnnouncement
+    | WorkerHeartbeat
+    | RunEvent
+    | Metric
+    | DeadLetter,
+    Field(discriminator="kind"),
+]
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    m.model_fields["kind"].default: m
+    for m in (
+        PromptGroup,
+        RolloutGroup,
+        ScoredGroup,
+        TrainGroup,
+        WeightsAnnouncement,
+        WorkerHeartbeat,
+        RunEvent,
+        Metric,
+        DeadLetter,
+    )
+}

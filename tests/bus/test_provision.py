@@ -1,0 +1,66 @@
+import pytest
+
+from relax_bus.connection import connect
+from relax_bus.errors import RunNotFound, TopologyConflict
+from relax_bus.provision import provision, read_config
+from tests.conftest import run_config
+
+pytestmark = pytest.mark.bus
+
+
+async def test_applying_twice_is_idempotent(settings):
+    config = run_config()
+    nc = await connect(settings)
+    js = nc.jetstream()
+    try:
+        first = await provision(js, config)
+        assert len(first.created) == 6 + 3 + 2 + 2 and not first.updated
+        second = await provision(js, config)
+        assert second.created == [] and second.updated == []
+        assert sorted(second.unchanged) == sorted(first.created)
+        assert await read_config(js, config.run) == config
+        names = {s.config.name for s in await js.streams_info()}
+        assert sum(n.startswith(f"RELAX_{config.run}_") for n in names) == 6
+    finally:
+        await nc.close()
+
+
+async def test_tunable_change_updates_in_place(settings):
+    config = run_config()
+    nc = await connect(settings)
+    js = nc.jetstream()
+    try:
+        await provision(js, config)
+        tuned = run_config(run=config.run, bus={"max_ack_pending": 7, "hop_max_msgs": 50})
+        report = await provision(js, tuned)
+        assert f"RELAX_{config.run}_PROMPTS/rollout" in report.updated
+        assert f"RELAX_{config.run}_PROMPTS" in report.updated
+        ci = await js.consumer_info(f"RELAX_{config.run}_PROMPTS", "rollout")
+        assert ci.config.max_ack_pending == 7
+        assert (await js.stream_info(f"RELAX_{config.run}_ROLLOUTS")).config.max_msgs == 50
+        assert await read_config(js, config.run) == tuned
+    finally:
+        await nc.close()
+
+
+async def test_incompatible_change_is_refused_and_nothing_changes(settings):
+    config = run_config()
+    nc = await connect(settings)
+    js = nc.jetstream()
+    try:
+        await provision(js, config)
+        changed = run_config(run=config.run, groups_per_step=5, bus={"storage": "memory"})
+        with pytest.raises(TopologyConflict, match=r"bus.storage: 'file' -> 'memory'; groups_per_step: 2 -> 5"):
+            await provision(js, changed)
+        assert await read_config(js, config.run) == config
+    finally:
+        await nc.close()
+
+
+async def test_unknown_run_is_reported(settings):
+    nc = await connect(settings)
+    try:
+        with pytest.raises(RunNotFound, match="relax init"):
+            await read_config(nc.jetstream(), "never-made")
+    finally:
+        await nc.close()

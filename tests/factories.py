@@ -1,0 +1,55 @@
+"""Small builders of valid messages for tests."""
+
+from __future__ import annotations
+
+from schemas import (
+    PromptGroup,
+    RewardDetail,
+    RolloutGroup,
+    Sample,
+    ScoredGroup,
+    TextPart,
+    TrainGroup,
+    WireTensor,
+)
+
+
+def prompt(run: str, i: int = 0, attempt: int = 0, text: str | None = None, n: int = 2) -> PromptGroup:
+    return PromptGroup(
+        run=run,
+        group_id=f"g{i}",
+        parts=(TextPart(text=text if text is not None else f"{i}+1="),),
+        answer=str(i + 1),
+        n_samples=n,
+        attempt=attempt,
+        release_index=i,
+        released_at_version=0,
+        index=i,
+    )
+
+
+def rollout(p: PromptGroup, version: int = 0) -> RolloutGroup:
+    samples = tuple(
+        Sample(
+            token_ids=WireTensor.from_values([49 + k, 2], "int32"),
+            logprobs=WireTensor.from_values([-0.5, -0.1], "float32"),
+            text=str(k),
+        )
+        for k in range(p.n_samples)
+    )
+    return RolloutGroup(
+        prompt=p,
+        prompt_token_ids=WireTensor.from_values([1, 2, 3], "int32"),
+        samples=samples,
+        policy_version=version,
+        worker_id="test",
+    )
+
+
+def scored(r: RolloutGroup) -> ScoredGroup:
+    n = len(r.samples)
+    return ScoredGroup(rollout=r, rewards=(1.0,) * n, details=(RewardDetail(components={"exact": 1.0}),) * n)
+
+
+def train(run: str, i: int = 0, version: int = 0, attempt: int = 0) -> TrainGroup:
+    return TrainGroup(scored=scored(rollout(prompt(run, i, attempt), version)))

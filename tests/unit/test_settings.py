@@ -1,0 +1,84 @@
+import pytest
+
+from relax_bus.errors import ConfigError
+from relax_bus.settings import ConnectionSettings, incompatible_changes, load_run_config, parse_run_config
+
+
+def test_minimal_config_gets_defaults():
+    c = parse_run_config({"run": "r1"})
+    assert c.staleness.max_staleness == 1 and c.bus.storage == "file"
+
+
+@pytest.mark.parametrize("word", ["unbounded", "Unbounded", "inf", "none"])
+def test_unbounded_staleness(word):
+    assert parse_run_config({"run": "r1", "staleness": {"max_staleness": word}}).staleness.max_staleness is None
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        "run: 'bad id!'\n"
+        "groups_per_step: zero\n"
+        "samples_per_group: -1\n"
+        "staleness: {max_staleness: -2, action: explode}\n"
+        "bus: {storage: tape, typo_field: 1}\n"
+        "unknown_top: 3\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_run_config(path)
+    err = info.value
+    text = str(err)
+    assert len(err.problems) == 8, err.problems
+    for where in (
+        "run:",
+        "groups_per_step:",
+        "samples_per_group:",
+        "staleness.max_staleness:",
+        "staleness.action:",
+        "bus.storage:",
+        "bus.typo_field: unknown setting",
+        "unknown_top: unknown setting",
+    ):
+        assert where in text
+    assert str(path) in text
+
+
+def test_contradictory_settings_are_explained():
+    with pytest.raises(ConfigError, match=r"duplicate_window_s .* must be at least ack_wait_s"):
+        parse_run_config({"run": "r1", "bus": {"ack_wait_s": 600, "duplicate_window_s": 60}})
+    with pytest.raises(ConfigError, match="smaller than groups_per_step"):
+        parse_run_config({"run": "r1", "groups_per_step": 64, "bus": {"hop_max_msgs": 10}})
+
+
+def test_unreadable_and_non_mapping_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read file"):
+        load_run_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "list.yaml"
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_run_config(bad)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{nope")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_run_config(broken)
+
+
+def test_incompatible_changes_ignore_tunables():
+    a = parse_run_config({"run": "r1"})
+    b = parse_run_config({"run": "r1", "bus": {"max_ack_pending": 7, "ack_wait_s": 90}})
+    assert incompatible_changes(a, b) == []
+    c = parse_run_config({"run": "r1", "groups_per_step": 3, "staleness": {"max_staleness": 0}})
+    changes = incompatible_changes(a, c)
+    assert changes == ["groups_per_step: 8 -> 3", "staleness.max_staleness: 1 -> 0"]
+
+
+def test_connection_settings_from_environment(monkeypatch):
+    monkeypatch.setenv("RELAX_NATS_URL", "nats://a:1, nats://b:2")
+    monkeypatch.setenv("RELAX_USER", "rollout")
+    s = ConnectionSettings()
+    assert s.nats_url == ["nats://a:1", "nats://b:2"] and s.user == "rollout"
+
+
+def test_tls_cert_needs_key():
+    with pytest.raises(ValueError, match="given together"):
+        ConnectionSettings(tls_cert_file="/c.pem")
