@@ -146,7 +146,9 @@ class Worker(Generic[In]):
             while not self._stop.is_set():
                 free = self.options.concurrency - len(inflight)
                 if free <= 0:
-                    await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
+                    stopping = asyncio.create_task(self._stop.wait())
+                    await asyncio.wait({*inflight, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                    stopping.cancel()
                     continue
                 try:
                     msgs = await sub.fetch(free, timeout=self.options.fetch_timeout_s)

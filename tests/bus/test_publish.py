@@ -18,6 +18,8 @@ async def read_all(bus, key):
     stream = bus.topology.stream(key).name
     info = await bus.js.stream_info(stream)
     out = []
+    if not info.state.messages:
+        return out
     for seq in range(info.state.first_seq, info.state.last_seq + 1):
         raw = await bus.js.get_msg(stream, seq)
         out.append(await open_message(raw.data or b"", raw.headers, bus.media))

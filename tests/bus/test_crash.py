@@ -1,0 +1,108 @@
+"""Worker processes that die or are told to stop, with messages in flight."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.bus.test_publish import read_all
+from tests.bus.test_worker import consumer_state, echo, publish_prompts, rollout_worker
+
+pytestmark = pytest.mark.bus
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_worker(nats_server, run, log, **opts):
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.bus.worker_proc",
+        "--nats-url",
+        nats_server.url,
+        "--run",
+        run,
+        "--log",
+        str(log),
+    ]
+    for k, v in opts.items():
+        cmd += [f"--{k}", str(v)]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def wait_for_lines(log: Path, prefix: str, n: int, proc, timeout=20.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = [ln for ln in (log.read_text().splitlines() if log.exists() else []) if ln.startswith(prefix)]
+        if len(lines) >= n:
+            return lines
+        if proc.poll() is not None:
+            raise AssertionError(f"worker exited early ({proc.returncode}): {proc.stderr.read().decode()[-2000:]}")
+        time.sleep(0.05)
+    raise AssertionError(f"fewer than {n} '{prefix}' lines in {log} after {timeout}s")
+
+
+def stop(proc):
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+
+
+async def test_sigkill_with_messages_in_flight_loses_nothing(make_bus, nats_server, tmp_path):
+    bus = await make_bus(bus={"ack_wait_s": 2.0})
+    await publish_prompts(bus, 6)
+    log = tmp_path / "a.log"
+    victim = start_worker(nats_server, bus.run, log, sleep=60, concurrency=4)
+    try:
+        wait_for_lines(log, "start", 4, victim)
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=10)
+    finally:
+        stop(victim)
+    assert (await consumer_state(bus)).num_ack_pending == 4
+
+    counters = await rollout_worker(bus, echo, concurrency=6).run(until_empty=True)
+
+    assert counters.processed == 6
+    outs = await read_all(bus, "rollouts")
+    assert sorted(o.prompt.group_id for o in outs) == [f"g{i}" for i in range(6)]
+    state = await consumer_state(bus)
+    assert state.num_pending == 0 and state.num_ack_pending == 0 and state.num_redelivered == 0
+    assert (await bus.js.stream_info(bus.topology.stream("prompts").name)).state.messages == 0
+
+
+async def test_sigterm_finishes_in_flight_work_and_exits_zero(make_bus, nats_server, tmp_path):
+    bus = await make_bus()
+    await publish_prompts(bus, 3)
+    log = tmp_path / "b.log"
+    proc = start_worker(nats_server, bus.run, log, sleep=1.5, concurrency=3)
+    try:
+        wait_for_lines(log, "start", 3, proc)
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        stop(proc)
+    assert len(wait_for_lines(log, "done", 3, proc)) == 3
+    assert sorted(o.prompt.group_id for o in await read_all(bus, "rollouts")) == ["g0", "g1", "g2"]
+    state = await consumer_state(bus)
+    assert state.num_pending == 0 and state.num_ack_pending == 0
+
+
+async def test_sigterm_past_grace_hands_work_back_at_once(make_bus, nats_server, tmp_path):
+    bus = await make_bus(bus={"ack_wait_s": 60.0})
+    await publish_prompts(bus, 2)
+    log = tmp_path / "c.log"
+    proc = start_worker(nats_server, bus.run, log, sleep=60, concurrency=2, grace=0.5)
+    try:
+        wait_for_lines(log, "start", 2, proc)
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        stop(proc)
+    # nak'd, not left to time out: a second worker gets them long before ack_wait (60 s).
+    started = time.monotonic()
+    counters = await rollout_worker(bus, echo, concurrency=2).run(until_empty=True)
+    assert counters.processed == 2 and time.monotonic() - started < 30

@@ -1,0 +1,149 @@
+"""Policy version (CAS + watcher), heartbeats and the staleness filter against a real server."""
+
+import asyncio
+import time
+
+import pytest
+
+from relax_bus.bus import Bus
+from relax_bus.connection import connect
+from relax_bus.errors import VersionConflict
+from relax_bus.heartbeat import HeartbeatWriter, live_workers
+from relax_bus.stale_filter import DROPPED_KEY, add_to_counter, read_counter, stale_filter
+from relax_bus.worker import Delivery, Worker, WorkerOptions
+from schemas import PromptGroup, RunEvent, TrainGroup, WorkerHeartbeat
+from tests import factories as f
+from tests.bus.test_publish import read_all
+
+pytestmark = pytest.mark.bus
+
+
+async def test_version_cas_refuses_a_stale_write(bus):
+    assert await bus.version.get() == (0, 0)
+    rev1 = await bus.version.advance(1, expected_revision=0)
+    assert await bus.version.get() == (1, rev1)
+    rev2 = await bus.version.advance(2, expected_revision=rev1)
+    with pytest.raises(VersionConflict, match="changed by another writer"):
+        await bus.version.advance(3, expected_revision=rev1)  # a zombie trainer's write
+    with pytest.raises(VersionConflict, match="may only grow"):
+        await bus.version.advance(2, expected_revision=rev2)
+    with pytest.raises(VersionConflict):
+        await bus.version.advance(1, expected_revision=0)  # creating again is a conflict too
+    assert await bus.version.get() == (2, rev2)
+
+
+async def test_version_watcher_sees_updates_and_survives_a_server_restart(bus, nats_server, settings):
+    seen: list[int] = []
+
+    async def watch():
+        async for v in bus.version.watch(poll_s=0.5):
+            seen.append(v)
+
+    task = asyncio.create_task(watch())
+    try:
+        rev = await bus.version.advance(1, 0)
+        await wait_until(lambda: seen == [0, 1] or seen == [1])
+        nats_server.stop()
+        nats_server.start()  # same port, same store dir: streams and KV survive
+        writer = await Bus.connect(settings, bus.run)
+        try:
+            await writer.version.advance(2, rev)
+        finally:
+            await writer.close()
+        await wait_until(lambda: seen[-1:] == [2], within_s=15)
+        assert seen == sorted(set(seen))
+    finally:
+        task.cancel()
+
+
+async def wait_until(cond, within_s=5.0):
+    deadline = time.monotonic() + within_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+async def test_heartbeat_is_listed_then_disappears_after_its_ttl(bus):
+    def beat():
+        return WorkerHeartbeat(run=bus.run, role="reward", worker_id="w1", pid=1, host="h", started_at=time.time())
+
+    writer = HeartbeatWriter(bus.workers, "reward.w1", beat, interval_s=0.3)
+    writer.start()
+    await asyncio.sleep(0.5)
+    assert [w.worker_id for w in await live_workers(bus.workers)] == ["w1"]
+    await writer.stop(remove=False)  # as if the worker hung or was killed: no more beats, no delete
+    ttl = bus.config.bus.heartbeat_ttl_s
+    await asyncio.sleep(ttl * 0.5)
+    assert len(await live_workers(bus.workers)) == 1  # still within its TTL
+    deadline = time.monotonic() + ttl * 3
+    while await live_workers(bus.workers):
+        assert time.monotonic() < deadline, "heartbeat outlived its TTL"
+        await asyncio.sleep(0.2)
+
+
+async def test_a_running_worker_heartbeats_and_removes_itself_on_stop(bus):
+    async def idle(prompt, delivery):
+        return None
+
+    worker = Worker(bus, "rollout", idle, PromptGroup, WorkerOptions(fetch_timeout_s=0.2))
+    task = asyncio.create_task(worker.run())
+    deadline = time.monotonic() + 5
+    while not await live_workers(bus.workers):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    (beat,) = await live_workers(bus.workers)
+    assert beat.role == "rollout" and beat.worker_id == worker.worker_id and "processed" in beat.counters
+    worker.stop()
+    await task
+    assert await live_workers(bus.workers) == []
+
+
+async def test_counter_compare_and_set_with_concurrent_writers(bus, settings):
+    others = [await connect(settings) for _ in range(3)]
+    try:
+        kvs = [await nc.jetstream().key_value(bus.topology.bucket("state")) for nc in others]
+        await asyncio.gather(*(add_to_counter(kv, DROPPED_KEY, 1) for kv in kvs for _ in range(5)))
+        assert (await read_counter(bus.state, DROPPED_KEY))[0] == 15
+    finally:
+        for nc in others:
+            await nc.close()
+
+
+async def run_filtered(bus, trainer_version, groups):
+    for g in groups:
+        await bus.publish("train", g)
+    trained: list[str] = []
+
+    async def train(group: TrainGroup, delivery: Delivery):
+        trained.append(group.group_id)
+
+    handler = stale_filter(bus, lambda: trainer_version)(train)
+    worker = Worker(bus, "actor", handler, TrainGroup, WorkerOptions(fetch_timeout_s=0.2))
+    counters = await worker.run(until_empty=True)
+    return trained, counters
+
+
+async def test_stale_filter_drops_past_the_bound_and_returns_credit(make_bus):
+    bus = await make_bus(staleness={"max_staleness": 1, "action": "drop"})
+    groups = [f.train(bus.run, i, version=v) for i, v in enumerate([5, 4, 3, 0])]
+    trained, counters = await run_filtered(bus, 5, groups)
+    assert trained == ["g0", "g1"] and counters.dropped == 2
+    assert (await read_counter(bus.state, DROPPED_KEY))[0] == 2
+    events = [e for e in await read_all(bus, "events") if isinstance(e, RunEvent)]
+    reasons = [e.fields["reason"] for e in events if e.event == "message_dropped"]
+    assert reasons == [
+        "stale: lag 2 > max_staleness 1 (trainer v5, sample v3)",
+        "stale: lag 5 > max_staleness 1 (trainer v5, sample v0)",
+    ]
+
+
+async def test_stale_filter_requeues_then_drops_at_the_limit(make_bus):
+    bus = await make_bus(staleness={"max_staleness": 0, "action": "requeue", "max_requeues": 1})
+    groups = [f.train(bus.run, 0, version=2, attempt=0), f.train(bus.run, 1, version=2, attempt=1)]
+    trained, counters = await run_filtered(bus, 3, groups)
+    assert trained == [] and counters.skipped == 1 and counters.dropped == 1
+    (again,) = await read_all(bus, "prompts")
+    assert isinstance(again, PromptGroup) and again.group_id == "g0"
+    assert again.attempt == 1 and again.released_at_version == 3
+    kinds = [e.event for e in await read_all(bus, "events")]
+    assert kinds == ["group_requeued", "message_dropped"]
