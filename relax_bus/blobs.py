@@ -64,25 +64,35 @@ class BlobStore:
 
     async def put_content(self, data: bytes) -> str:
         """Store `data` under its own digest (a no-op when already there); return the digest."""
-        digest = digest_of(data)
-        name = digest.removeprefix("sha256:")
+        sha = hashlib.sha256(data).digest()
+        name = sha.hex()
         if await self.info(name) is None:
-            await self.put(name, data)
-        return digest
+            await self.put(name, data, sha256=sha)
+        return "sha256:" + name
 
-    async def put(self, name: str, data: bytes | memoryview, headers: dict[str, str] | None = None) -> api.ObjectInfo:
-        """Store `data` under `name`, replacing any previous object of that name."""
+    async def put(
+        self,
+        name: str,
+        data: bytes | memoryview,
+        headers: dict[str, str] | None = None,
+        sha256: bytes | None = None,
+    ) -> api.ObjectInfo:
+        """Store `data` under `name`, replacing any previous object of that name.
+
+        `sha256` is the payload's digest when the caller already computed it (saves a pass).
+        """
         view = memoryview(data)
         old = await self.info(name)
         nuid = self.js._nc._nuid.next().decode()
         chunk_subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=nuid)
-        sha = hashlib.sha256()
+        sha = None if sha256 is not None else hashlib.sha256()
         pending: list[asyncio.Future[api.PubAck]] = []
         chunks = 0
         try:
             for start in range(0, len(view), self.chunk_size):
                 piece = view[start : start + self.chunk_size]
-                sha.update(piece)
+                if sha is not None:
+                    sha.update(piece)
                 pending.append(await self.js.publish_async(chunk_subject, bytes(piece)))
                 chunks += 1
                 if len(pending) >= WINDOW:
@@ -92,6 +102,8 @@ class BlobStore:
         except BaseException:
             await self._purge(chunk_subject)
             raise
+        raw_digest = sha.digest() if sha is not None else sha256
+        assert raw_digest is not None
         info = api.ObjectInfo(
             name=name,
             bucket=self.bucket,
@@ -99,7 +111,7 @@ class BlobStore:
             size=len(view),
             chunks=chunks,
             mtime=datetime.now(UTC).isoformat(),
-            digest=OBJ_DIGEST_TEMPLATE.format(digest=base64.urlsafe_b64encode(sha.digest()).decode()),
+            digest=OBJ_DIGEST_TEMPLATE.format(digest=base64.urlsafe_b64encode(raw_digest).decode()),
             headers=headers,
             options=api.ObjectMetaOptions(max_chunk_size=self.chunk_size),
         )
@@ -123,17 +135,17 @@ class BlobStore:
         if info is None:
             raise BlobNotFound(f"no object {name!r} in store {self.bucket}")
         size, chunks = info.size or 0, info.chunks or 0
-        buf = bytearray(size)
+        parts: list[bytes] = []
+        offset = 0
         if chunks:
             subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=info.nuid)
             sub = await self.js.subscribe(
                 subject, ordered_consumer=True, pending_bytes_limit=512 << 20, pending_msgs_limit=1 << 20
             )
             try:
-                offset = 0
                 for _ in range(chunks):
                     msg = await sub.next_msg(timeout=timeout_s)
-                    buf[offset : offset + len(msg.data)] = msg.data
+                    parts.append(msg.data)
                     offset += len(msg.data)
             except nats.errors.TimeoutError:
                 raise BlobNotFound(f"object {name!r} in {self.bucket}: chunks missing after {offset} bytes") from None
@@ -141,11 +153,12 @@ class BlobStore:
                 await sub.unsubscribe()
             if offset != size:
                 raise BlobCorrupt(f"object {name!r} in {self.bucket}: got {offset} bytes, expected {size}")
+        data = b"".join(parts)
         want = (info.digest or "").removeprefix(OBJ_DIGEST_TYPE)
-        got = base64.urlsafe_b64encode(hashlib.sha256(buf).digest()).decode()
+        got = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
         if want and want.rstrip("=") != got.rstrip("="):
             raise BlobCorrupt(f"object {name!r} in {self.bucket}: digest mismatch")
-        return bytes(buf)
+        return data
 
     async def get_content(self, digest: str) -> bytes:
         """Fetch a content-addressed blob by its `sha256:<hex>` digest."""

@@ -35,6 +35,10 @@ class TopologyConflict(RelaxBusError):
     """Raised when `relax init` would change a setting that an existing run cannot change."""
 
 
+class ProvisionFailed(RelaxBusError):
+    """Raised when the server refuses to create part of a run's topology (limits, storage, permissions)."""
+
+
 class PublishFailed(RelaxBusError):
     """Raised when a publish got no acknowledgement within its deadline, retries included."""
 

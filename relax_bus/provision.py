@@ -14,11 +14,12 @@ import nats.js.errors
 from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 
-from relax_bus.errors import RunNotFound, TopologyConflict
+from relax_bus.errors import ProvisionFailed, RunNotFound, TopologyConflict
 from relax_bus.settings import RunConfig, incompatible_changes, parse_run_config
 from relax_bus.topology import ConsumerSpec, StreamSpec, Topology, build_topology, state_bucket
 
 CONFIG_KEY = "config"
+INSUFFICIENT_STORAGE = 10047
 
 
 @dataclass
@@ -66,7 +67,15 @@ async def _apply_stream(js: JetStreamContext, s: StreamSpec, report: ProvisionRe
     try:
         have = (await js.stream_info(s.name)).config
     except nats.js.errors.NotFoundError:
-        await js.add_stream(want)
+        try:
+            await js.add_stream(want)
+        except nats.js.errors.APIError as err:
+            if err.err_code == INSUFFICIENT_STORAGE:
+                raise ProvisionFailed(
+                    f"the server cannot reserve {s.max_bytes / (1 << 20):.0f} MiB for stream {s.name}: lower "
+                    "bus.hop_max_bytes / bus.train_max_bytes, or give JetStream more storage (max_file_store)"
+                ) from None
+            raise ProvisionFailed(f"cannot create stream {s.name}: {err.description or err}") from None
         report.created.append(s.name)
         return
     fixed = [

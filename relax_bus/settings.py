@@ -97,12 +97,12 @@ class BusConfig(BaseModel):
     """Stream replicas (3 on a three-server cluster)."""
     hop_max_msgs: int = Field(default=10_000, ge=1)
     """Bound of each hand-off stream (prompts, rollouts, scored); a full hop pushes back on its producer."""
-    hop_max_bytes: int = Field(default=1 << 30, ge=1 << 20)
-    """Byte bound of each hand-off stream."""
+    hop_max_bytes: int = Field(default=256 << 20, ge=1 << 20)
+    """Byte bound of each hand-off stream (JetStream reserves it on the server's disk)."""
     train_max_age_s: float = Field(default=7 * 86400, gt=0)
     """How long trained groups stay in the train stream for replay."""
-    train_max_bytes: int = Field(default=8 << 30, ge=1 << 20)
-    """Byte bound of the train stream (oldest go first)."""
+    train_max_bytes: int = Field(default=2 << 30, ge=1 << 20)
+    """Byte bound of the train stream, oldest first out (JetStream reserves it on the server's disk)."""
     ack_wait_s: float = Field(default=60.0, gt=0)
     """How long a delivered message may go unacknowledged before redelivery (handlers extend it)."""
     max_deliver: int = Field(default=5, ge=1)

@@ -71,6 +71,8 @@ class WorkerOptions:
 
     concurrency: int = 1
     """Messages handled at once."""
+    fetch_max_bytes: int = 16 << 20
+    """Rough byte budget of one pull: the batch size adapts to the input's average message size."""
     fetch_timeout_s: float = 1.0
     """Longest a fetch waits for input (bounds how fast a stop is noticed)."""
     grace_s: float = 30.0
@@ -104,6 +106,10 @@ class Worker(Generic[In]):
         self.consumer = bus.topology.consumer(self.role.input)
         self.started_at = time.time()
         self._stop = asyncio.Event()
+        # Message size estimate that sizes each pull: rises at once to any bigger message, decays slowly,
+        # and starts high so the first pull of an unknown stream stays small in bytes.
+        self._avg_size = 256 * 1024.0
+        self._working: dict[int, tuple[Msg, float]] = {}  # id(message) -> (message, when its handler started)
         self.heartbeat = HeartbeatWriter(
             bus.workers,
             f"{self.role.name}.{self.options.worker_id}",
@@ -140,19 +146,24 @@ class Worker(Generic[In]):
         sub = await self.bus.js.pull_subscribe_bind(self.consumer.durable, self.stream.name)
         await self.heartbeat.beat()
         self.heartbeat.start()
+        keepalive = asyncio.create_task(self._keep_alive(), name="keepalive")
         log.info("worker_started", role=self.role.name, worker=self.worker_id, stream=self.stream.name)
         inflight: set[asyncio.Task[None]] = set()
+        # Refill in chunks: pulling one message per finished handler would cost a round trip each.
+        refill = max(1, self.options.concurrency // 8)
         try:
             while not self._stop.is_set():
                 free = self.options.concurrency - len(inflight)
-                if free <= 0:
+                if free < refill:
                     stopping = asyncio.create_task(self._stop.wait())
                     await asyncio.wait({*inflight, stopping}, return_when=asyncio.FIRST_COMPLETED)
                     stopping.cancel()
                     continue
                 try:
-                    msgs = await sub.fetch(free, timeout=self.options.fetch_timeout_s)
-                except nats.errors.TimeoutError:
+                    batch = max(1, min(free, int(self.options.fetch_max_bytes // self._avg_size)))
+                    msgs = await sub.fetch(batch, timeout=self.options.fetch_timeout_s)
+                except (nats.errors.TimeoutError, TimeoutError):
+                    # nats-py raises either type when a fetch finds nothing (it never returns []).
                     if until_empty and not inflight and await self._input_drained():
                         break
                     continue
@@ -162,11 +173,14 @@ class Worker(Generic[In]):
                     await asyncio.sleep(0.5)
                     continue
                 for msg in msgs:
+                    size = len(msg.data) + 512
+                    self._avg_size = max(size, self._avg_size + (size - self._avg_size) * 0.1)
                     task = asyncio.create_task(self._handle(msg))
                     inflight.add(task)
                     task.add_done_callback(inflight.discard)
         finally:
             await self._wind_down(inflight)
+            keepalive.cancel()
             try:
                 await sub.unsubscribe()
             except nats.errors.Error:
@@ -205,7 +219,7 @@ class Worker(Generic[In]):
         except (SchemaError, BlobNotFound, BlobCorrupt) as err:
             await self._dead_letter(msg, delivery, f"undecodable {self.stream.key} message: {err}")
             return
-        keepalive = asyncio.create_task(self._keep_alive(msg))
+        self._working[id(msg)] = (msg, time.monotonic())
         try:
             outputs = _as_list(await self.handler(message, delivery))
             await self._publish_outputs(outputs)
@@ -218,7 +232,7 @@ class Worker(Generic[In]):
             await msg.ack()
             self.counters.processed += 1
         finally:
-            keepalive.cancel()
+            self._working.pop(id(msg), None)
 
     async def _publish_outputs(self, outputs: list[Message]) -> None:
         if not outputs:
@@ -306,11 +320,15 @@ class Worker(Generic[In]):
             await self.bus.nc.publish(msg.reply, b"+TERM " + reason[:512].encode())
             msg._ackd = True
 
-    async def _keep_alive(self, msg: Msg) -> None:
-        interval = max(0.5, self.consumer.ack_wait_s / 3)
+    async def _keep_alive(self) -> None:
+        """Every ack_wait/3, tell the server that messages whose handlers run that long are still in progress."""
+        interval = max(0.2, self.consumer.ack_wait_s / 3)
         while True:
             await asyncio.sleep(interval)
-            await _quietly(msg.in_progress())
+            cutoff = time.monotonic() - interval
+            for msg, started in list(self._working.values()):
+                if started <= cutoff:
+                    await _quietly(msg.in_progress())
 
     async def _event(self, event: str, level: str, **fields: str | int | float | None) -> None:
         try:
