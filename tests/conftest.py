@@ -28,7 +28,7 @@ REQUIRE_NATS = os.environ.get("CI", "").lower() == "true" or os.environ.get("REL
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if "unit" not in item.keywords and "bus" not in item.keywords and "cli" not in item.keywords:
+        if not any(m in item.keywords for m in ("unit", "bus", "cli", "workers", "e2e")):
             item.add_marker(pytest.mark.unit)
 
 
