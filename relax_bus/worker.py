@@ -10,6 +10,7 @@ lets in-flight handlers finish within a grace period (naks the rest) and drains 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -20,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Generic, TypeVar, cast
 
 import nats.errors
+import nats.js.errors
 from nats.aio.msg import Msg
 
 from relax_bus.bus import Bus
@@ -147,6 +149,11 @@ class Worker(Generic[In]):
         await self.heartbeat.beat()
         self.heartbeat.start()
         keepalive = asyncio.create_task(self._keep_alive(), name="keepalive")
+        reaper = await self.bus.nc.subscribe(
+            f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.stream.name}.{self.consumer.durable}",
+            queue=f"relax-reaper-{self.consumer.durable}",
+            cb=self._reap,
+        )
         log.info("worker_started", role=self.role.name, worker=self.worker_id, stream=self.stream.name)
         inflight: set[asyncio.Task[None]] = set()
         # Refill in chunks: pulling one message per finished handler would cost a round trip each.
@@ -181,6 +188,7 @@ class Worker(Generic[In]):
         finally:
             await self._wind_down(inflight)
             keepalive.cancel()
+            await _quietly(reaper.unsubscribe())
             try:
                 await sub.unsubscribe()
             except nats.errors.Error:
@@ -313,6 +321,41 @@ class Worker(Generic[In]):
         self.counters.dead_lettered += 1
         await self._term(msg, reason)
         log.warning("message_dead_lettered", role=self.role.name, seq=delivery.stream_seq, reason=reason)
+
+    async def _reap(self, advisory: Msg) -> None:
+        """Dead-letter a message whose last delivery was never settled (its worker crashed or hung).
+
+        The server stops redelivering such a message but keeps it in the work queue; one worker of the
+        role (a queue group) moves it to the dead-letter subject and deletes it from the stream.
+        """
+        try:
+            info = json.loads(advisory.data)
+            seq, deliveries = int(info["stream_seq"]), int(info.get("deliveries", 0))
+            raw = await self.bus.js.get_msg(self.stream.name, seq)
+        except (ValueError, KeyError, nats.js.errors.NotFoundError):
+            return  # tolerated: unreadable advisory, or the message was settled meanwhile
+        except nats.errors.Error as err:
+            log.warning("reap_failed", seq=advisory.data[:80], error=str(err))
+            return
+        reason = f"not settled after {deliveries} deliveries (its worker crashed, hung or was stopped)"
+        letter = DeadLetter(
+            run=self.bus.run,
+            reason=reason,
+            source_subject=raw.subject or self.stream.subject,
+            stream_seq=seq,
+            deliveries=deliveries,
+            consumer=self.consumer.durable,
+            headers={k: str(v) for k, v in (raw.headers or {}).items()},
+            payload=raw.data or b"",
+        )
+        try:
+            await self.bus.publish("dlq", letter)
+            await self.bus.js.delete_msg(self.stream.name, seq)
+        except Exception as err:  # tolerated: the message stays in the stream for `relax inspect` to show
+            log.error("reap_failed", seq=seq, error=str(err))
+            return
+        self.counters.dead_lettered += 1
+        log.warning("message_dead_lettered", role=self.role.name, seq=seq, reason=reason)
 
     async def _term(self, msg: Msg, reason: str) -> None:
         # msg.term() cannot carry a reason; the protocol's "+TERM <reason>" records it in the advisory.

@@ -149,3 +149,28 @@ async def test_long_handler_is_kept_alive_past_ack_wait(make_bus):
     counters = await rollout_worker(bus, slow).run(until_empty=True)
     assert calls == [1] and counters.processed == 1
     assert (await consumer_state(bus)).num_redelivered == 0
+
+
+async def test_a_message_whose_worker_died_on_its_last_delivery_is_reaped(make_bus):
+    bus = await make_bus(bus={"ack_wait_s": 1.0, "max_deliver": 2})
+    await publish_prompts(bus, 1)
+    sub = await bus.js.pull_subscribe_bind("rollout", bus.topology.stream("prompts").name)
+    for _ in range(2):  # two deliveries that are never settled, as if each worker was SIGKILLed
+        (msg,) = await sub.fetch(1, timeout=5)
+        assert msg.metadata.num_delivered in (1, 2)
+    await sub.unsubscribe()
+
+    worker = rollout_worker(bus, echo)
+    task = asyncio.create_task(worker.run())
+    try:
+        for _ in range(100):
+            if worker.counters.dead_lettered:
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        worker.stop()
+        await task
+    (letter,) = await read_all(bus, "dlq")
+    assert letter.reason.startswith("not settled after 2 deliveries") and letter.stream_seq == 1
+    assert (await bus.js.stream_info(bus.topology.stream("prompts").name)).state.messages == 0
+    assert worker.counters.processed == 0
