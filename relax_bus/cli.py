@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import sys
 from collections.abc import Sequence
@@ -38,7 +39,24 @@ def _parser() -> argparse.ArgumentParser:
     n = with_nats(sub.add_parser("inspect", help="show a run: streams, consumers, state, live workers, dead letters"))
     n.add_argument("run", help="run id")
     n.add_argument("--json", action="store_true", help="print the result as JSON")
+
+    w = with_nats(sub.add_parser("worker", help="run one role of an initialised run (its config comes from KV)"))
+    w.add_argument("role", choices=ROLES, help="the role to run")
+    w.add_argument("--run", required=True, help="run id")
+    w.add_argument("--work-dir", default="./.relax/work", help="local cache for model files (default ./.relax/work)")
+    w.add_argument("--threads", type=int, default=1, help="torch threads of this process (default 1)")
+
+    r = sub.add_parser("run", help="run a whole training run locally: NATS, every role, progress, reward curve")
+    r.add_argument("config", help="run config (YAML or JSON)")
+    r.add_argument("--nats-url", help="use this NATS server instead of starting an embedded one")
+    r.add_argument("--run-dir", help="where metrics, curve, logs and the NATS store go (default runs/<run>)")
+    r.add_argument("--steps", type=int, help="override trainer.steps")
+    r.add_argument("--run-id", help="override the config's run id")
     return p
+
+
+# Roles and the modules that run them: imported only by the command that needs them.
+ROLES = ("feeder", "rollout", "reward", "reference", "actor")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -143,7 +161,38 @@ def _server(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"init": _init, "inspect": _inspect}
+async def _worker(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    roles = importlib.import_module("workers.roles")
+    code: int = await roles.run_role(args.role, _settings(args), args.run, Path(args.work_dir), args.threads)
+    return code
+
+
+async def _run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from relax_bus.settings import load_run_config
+
+    overrides: dict[str, Any] = {}
+    if args.run_id:
+        overrides["run"] = args.run_id
+    config = load_run_config(args.config, overrides)
+    if args.steps:
+        config = config.model_copy(update={"trainer": config.trainer.model_copy(update={"steps": args.steps})})
+    launcher = importlib.import_module("workers.launcher")
+    run_dir = Path(args.run_dir or f"runs/{config.run}")
+    summary = await launcher.launch(config, run_dir, args.nats_url, sys.stdout)
+    print(
+        f"\nrun {summary['run']}: {summary['steps']} steps in {summary['wall_s']}s, "
+        f"reward {summary['reward_start']} -> {summary['reward_end']}"
+    )
+    print(f"metrics: {summary['metrics']}")
+    print(f"reward curve: {summary['curve']}")
+    return 0
+
+
+_COMMANDS = {"init": _init, "inspect": _inspect, "worker": _worker, "run": _run}
 
 if __name__ == "__main__":
     sys.exit(main())

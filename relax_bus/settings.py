@@ -16,6 +16,14 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from relax_bus.errors import ConfigError
+from relax_bus.pipeline_config import (
+    ModelConfig,
+    RewardConfig,
+    RolesConfig,
+    RolloutConfig,
+    TaskConfig,
+    TrainerConfig,
+)
 
 RUN_ID = r"^[A-Za-z0-9_-]{1,48}$"
 
@@ -143,10 +151,20 @@ class RunConfig(BaseModel):
     """Prompt groups per optimizer step."""
     samples_per_group: int = Field(default=8, ge=1, le=4096)
     """Responses sampled per prompt (the GRPO group size)."""
-    reference: bool = False
-    """Put the reference role in the chain (reward -> scored -> reference -> train)."""
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)
     bus: BusConfig = Field(default_factory=BusConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    rewards: tuple[RewardConfig, ...] = ()
+    """Reward terms; empty means the task's default (exact match for the built-in tasks)."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    roles: RolesConfig = Field(default_factory=RolesConfig)
+
+    @property
+    def reference(self) -> bool:
+        """Whether the reference role is in the chain (reward -> scored -> reference -> train)."""
+        return self.trainer.kl_coef > 0
 
     @model_validator(mode="after")
     def _hop_holds_a_step(self) -> RunConfig:
@@ -173,6 +191,10 @@ TUNABLE = frozenset(
         "bus.events_max_msgs",
         "bus.claim_check_bytes",
         "bus.weights_keep",
+        "roles.rollout",
+        "roles.reward",
+        "roles.reference",
+        "trainer.checkpoint_every",
     }
 )
 

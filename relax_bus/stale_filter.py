@@ -16,7 +16,7 @@ from nats.js.kv import KeyValue
 from relax_bus.bus import Bus
 from relax_bus.control import Drop, Skip
 from relax_bus.errors import VersionConflict
-from relax_bus.staleness import Verdict, decide
+from relax_bus.staleness import Decision, Verdict, decide
 from relax_bus.worker import Delivery, Handler, HandlerResult
 from schemas import RunEvent, TrainGroup
 
@@ -52,38 +52,40 @@ async def add_to_counter(kv: KeyValue, key: str, n: int, attempts: int = 50) -> 
     raise VersionConflict(f"counter {key} kept changing under {attempts} compare-and-set attempts")
 
 
+async def judge(bus: Bus, group: TrainGroup, version: int) -> Decision:
+    """Apply the run's staleness rule to a group at trainer version `version`, with its side effects.
+
+    A requeued group's prompt is republished as the next attempt (and a `group_requeued` event
+    recorded); a dropped group raises the run's dropped counter, which returns its credit to the feeder.
+    """
+    rule = bus.config.staleness
+    prompt = group.scored.rollout.prompt
+    d = decide(version, group.policy_version, rule.max_staleness, rule.action, prompt.attempt, rule.max_requeues)
+    if d.verdict is Verdict.REQUEUE:
+        again = prompt.model_copy(update={"attempt": prompt.attempt + 1, "released_at_version": version})
+        await bus.publish("prompts", again)
+        event = RunEvent(
+            run=bus.run,
+            event="group_requeued",
+            source="stale_filter",
+            fields={"group_id": prompt.group_id, "lag": d.lag, "reason": d.reason},
+        )
+        await bus.publish("events", event)
+    elif d.verdict is Verdict.DROP:
+        await add_to_counter(bus.state, DROPPED_KEY, 1)
+    return d
+
+
 def stale_filter(bus: Bus, trainer_version: Callable[[], int]) -> Callable[[Handler[TrainGroup]], Handler[TrainGroup]]:
     """Middleware: wrap a train-group handler with the run's staleness rule."""
-    rule = bus.config.staleness
 
     def wrap(handler: Handler[TrainGroup]) -> Handler[TrainGroup]:
         async def filtered(group: TrainGroup, delivery: Delivery) -> HandlerResult:
-            version = trainer_version()
-            prompt = group.scored.rollout.prompt
-            d = decide(
-                version,
-                group.policy_version,
-                rule.max_staleness,
-                rule.action,
-                prompt.attempt,
-                rule.max_requeues,
-            )
+            d = await judge(bus, group, trainer_version())
             if d.verdict is Verdict.TRAIN:
                 return await handler(group, delivery)
             if d.verdict is Verdict.REQUEUE:
-                again = prompt.model_copy(update={"attempt": prompt.attempt + 1, "released_at_version": version})
-                await bus.publish("prompts", again)
-                await bus.publish(
-                    "events",
-                    RunEvent(
-                        run=bus.run,
-                        event="group_requeued",
-                        source="stale_filter",
-                        fields={"group_id": prompt.group_id, "lag": d.lag, "reason": d.reason},
-                    ),
-                )
                 raise Skip()
-            await add_to_counter(bus.state, DROPPED_KEY, 1)
             raise Drop(d.reason)
 
         return filtered

@@ -79,7 +79,9 @@ class PolicyVersion:
                     if entry is not None and entry.value:
                         value = int(entry.value)
                     else:
-                        value, _ = await self.get()
+                        value, revision = await self.get()
+                        if revision == 0:
+                            continue  # nothing published yet
                     if value > last:
                         last = value
                         yield value
@@ -93,3 +95,47 @@ class PolicyVersion:
                         await watcher.stop()  # type: ignore[no-untyped-call]
                     except Exception:  # the subscription may already be gone with its connection
                         pass
+
+
+class VersionTracker:
+    """Keeps the latest policy version in memory from a background watcher.
+
+    `value` is -1 until the trainer has published version 0; `changed` is set on every new version.
+    """
+
+    def __init__(self, version: PolicyVersion, poll_s: float = 1.0) -> None:
+        self.version = version
+        self.poll_s = poll_s
+        self.value = -1
+        self.changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> VersionTracker:
+        """Read the current version, then follow updates in the background."""
+        value, revision = await self.version.get()
+        self.value = value if revision else -1
+        self._task = asyncio.create_task(self._follow(), name="version-tracker")
+        return self
+
+    async def _follow(self) -> None:
+        async for value in self.version.watch(poll_s=self.poll_s):
+            if value > self.value:
+                self.value = value
+                self.changed.set()
+
+    async def wait_for(self, minimum: int) -> int:
+        """Wait until the version is at least `minimum`; return it."""
+        while self.value < minimum:
+            self.changed.clear()
+            if self.value >= minimum:
+                break
+            await self.changed.wait()
+        return self.value
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass

@@ -30,6 +30,7 @@ from relax_bus.envelope import open_message
 from relax_bus.errors import BlobCorrupt, BlobNotFound
 from relax_bus.heartbeat import HeartbeatWriter
 from relax_bus.log import get_logger
+from relax_bus.settle import dead_letter, term
 from schemas import DeadLetter, Message, RunEvent, SchemaError, WorkerHeartbeat
 
 log = get_logger(__name__)
@@ -259,7 +260,7 @@ class Worker(Generic[In]):
             await msg.ack()
         elif isinstance(err, Drop):
             self.counters.dropped += 1
-            await self._term(msg, err.reason)
+            await term(self.bus, msg, err.reason)
             await self._event(
                 "message_dropped",
                 "info",
@@ -302,25 +303,8 @@ class Worker(Generic[In]):
             raise err
 
     async def _dead_letter(self, msg: Msg, delivery: Delivery, reason: str) -> None:
-        letter = DeadLetter(
-            run=self.bus.run,
-            reason=reason,
-            source_subject=msg.subject,
-            stream_seq=delivery.stream_seq,
-            deliveries=delivery.deliveries,
-            consumer=self.consumer.durable,
-            headers={k: str(v) for k, v in (msg.headers or {}).items()},
-            payload=msg.data,
-        )
-        try:
-            await self.bus.publish("dlq", letter)
-        except Exception as err:  # tolerated: without a dead letter stored, the message must stay
-            log.error("dead_letter_failed", reason=reason, error=str(err))
-            await _quietly(msg.nak(delay=5.0))
-            return
-        self.counters.dead_lettered += 1
-        await self._term(msg, reason)
-        log.warning("message_dead_lettered", role=self.role.name, seq=delivery.stream_seq, reason=reason)
+        if await dead_letter(self.bus, msg, reason, self.consumer.durable):
+            self.counters.dead_lettered += 1
 
     async def _reap(self, advisory: Msg) -> None:
         """Dead-letter a message whose last delivery was never settled (its worker crashed or hung).
@@ -356,12 +340,6 @@ class Worker(Generic[In]):
             return
         self.counters.dead_lettered += 1
         log.warning("message_dead_lettered", role=self.role.name, seq=seq, reason=reason)
-
-    async def _term(self, msg: Msg, reason: str) -> None:
-        # msg.term() cannot carry a reason; the protocol's "+TERM <reason>" records it in the advisory.
-        if msg.reply:
-            await self.bus.nc.publish(msg.reply, b"+TERM " + reason[:512].encode())
-            msg._ackd = True
 
     async def _keep_alive(self) -> None:
         """Every ack_wait/3, tell the server that messages whose handlers run that long are still in progress."""

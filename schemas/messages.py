@@ -139,6 +139,8 @@ class ScoredGroup(Message):
     rewards: tuple[float, ...]
     details: tuple[RewardDetail, ...] = ()
     """One entry per sample, or empty."""
+    worker_id: str = ""
+    """Reward worker that scored it."""
 
     @model_validator(mode="after")
     def _one_per_sample(self) -> ScoredGroup:

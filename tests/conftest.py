@@ -26,6 +26,7 @@ log.configure("info", json=False)
 REQUIRE_NATS = os.environ.get("CI", "").lower() == "true" or os.environ.get("RELAX_REQUIRE_NATS") == "1"
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if not any(m in item.keywords for m in ("unit", "bus", "cli", "workers", "e2e")):

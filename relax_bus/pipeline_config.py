@@ -1,0 +1,127 @@
+"""Run config sections of the RL pipeline: model, task, rewards, roles, rollout, trainer.
+
+Pure data: these models import nothing heavy; the `workers` package turns them into models, engines
+and losses. Each field's docstring is its documentation (`relax init --help` points here).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelConfig(_Section):
+    """Where the policy comes from."""
+
+    source: str = "tiny"
+    """`tiny` (a small Llama built in code; `tiny:<hidden>x<layers>`), a local Hugging Face directory,
+    or `hf:<repo>` on machines with hub access."""
+    seed: int = 0
+    """Seed of the initial weights of a built-in model."""
+
+
+class TaskConfig(_Section):
+    """The prompts and their reference answers."""
+
+    type: str = "addition"
+    """Dataset type: addition, reverse, jsonl."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Options of the dataset type (e.g. `path` for jsonl, `seed`, `limit`)."""
+
+
+class RewardConfig(_Section):
+    """One weighted reward term."""
+
+    type: str
+    """Reward type: exact, numeric, format, python."""
+    weight: float = 1.0
+    """Multiplier of this term."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Options of the reward type (e.g. `pattern` for format, `function: module:function` for python)."""
+    timeout_s: float = Field(default=5.0, gt=0)
+    """User code running longer than this scores 0 with the error recorded."""
+
+
+class RolloutConfig(_Section):
+    """Generation."""
+
+    engine: Literal["torch", "vllm"] = "torch"
+    """Generation engine of the rollout workers."""
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature (the trainer computes log-probs at the same temperature)."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    max_new_tokens: int = Field(default=8, ge=1)
+    """Longest response."""
+    batch_groups: int = Field(default=32, ge=1)
+    """Prompt groups one engine call generates together (also the worker's in-flight budget)."""
+
+
+class WarmupConfig(_Section):
+    """Supervised warm-up on the task's answers before RL (a random model earns no reward)."""
+
+    max_steps: int = Field(default=0, ge=0)
+    """Upper bound of warm-up steps; 0 turns warm-up off."""
+    target_accuracy: float = Field(default=0.2, ge=0, le=1)
+    """Stop as soon as sampled accuracy on the task reaches this."""
+    lr: float = Field(default=3e-3, gt=0)
+    """Learning rate of the warm-up."""
+    batch_size: int = Field(default=64, ge=1)
+    """Examples per warm-up step."""
+    check_every: int = Field(default=10, ge=1)
+    """Steps between accuracy checks."""
+
+
+class TrainerConfig(_Section):
+    """The actor: GRPO-family loss with off-policy correction."""
+
+    steps: int = Field(default=100, ge=1)
+    """Optimizer steps of the run."""
+    lr: float = Field(default=5e-4, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(default=1.0, gt=0)
+    """Gradient norm clip."""
+    advantage: Literal["grpo", "drgrpo"] = "grpo"
+    """grpo: (r - mean) / (std + eps) per group; drgrpo: r - mean."""
+    clip_low: float = Field(default=0.2, ge=0, lt=1)
+    """PPO ratio clip below 1."""
+    clip_high: float = Field(default=0.28, ge=0)
+    """PPO ratio clip above 1."""
+    tis_low: float = Field(default=0.0, ge=0)
+    """Lower bound of the truncated importance weight exp(logp_old - logp_rollout)."""
+    tis_high: float = Field(default=2.0, gt=0)
+    """Upper bound (cap) of the truncated importance weight."""
+    aggregation: Literal["token", "sequence"] = "token"
+    """Loss over tokens: token-level mean, or mean over sequences of their token means."""
+    kl_coef: float = Field(default=0.0, ge=0)
+    """KL penalty to the reference policy; above 0 puts the reference role in the chain."""
+    kl_kind: Literal["k1", "k3", "low_var"] = "low_var"
+    """KL estimator."""
+    checkpoint_every: int = Field(default=10, ge=1)
+    """Steps between checkpoints (model, optimizer, step, settled group ids, ack floor)."""
+    nproc: int = Field(default=1, ge=1)
+    """Trainer processes; above 1 runs under torchrun with FSDP2."""
+    seed: int = 0
+    """Seed of the trainer's own randomness (warm-up order)."""
+    warmup: WarmupConfig = Field(default_factory=WarmupConfig)
+
+    @model_validator(mode="after")
+    def _tis_range(self) -> TrainerConfig:
+        if self.tis_low >= self.tis_high:
+            raise ValueError(f"tis_low ({self.tis_low}) must be below tis_high ({self.tis_high})")
+        return self
+
+
+class RolesConfig(_Section):
+    """How many processes of each role `relax run` starts (others can join with `relax worker`)."""
+
+    rollout: int = Field(default=1, ge=0)
+    reward: int = Field(default=1, ge=0)
+    reference: int = Field(default=1, ge=0)

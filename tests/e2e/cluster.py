@@ -1,0 +1,179 @@
+"""A real run for end-to-end tests: a nats-server, every role a `relax worker` process, and accounting."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nats.js.errors
+
+from relax_bus.bus import Bus
+from relax_bus.connection import connect
+from relax_bus.envelope import open_message
+from relax_bus.provision import provision
+from relax_bus.settings import ConnectionSettings, RunConfig
+from schemas import Message, Metric, RunEvent, TrainGroup
+from workers.launcher import Role, role_commands
+
+
+def small_config(run: str, **overrides: Any) -> dict[str, Any]:
+    """A run that takes seconds: 4 groups x 4 samples per step, no warm-up, checkpoints every 2 steps."""
+    data: dict[str, Any] = {
+        "run": run,
+        "groups_per_step": 4,
+        "samples_per_group": 4,
+        "staleness": {"max_staleness": 1},
+        "model": {"source": "tiny:64x2"},
+        "task": {"type": "addition", "options": {"seed": 1}},
+        "rollout": {"max_new_tokens": 3, "batch_groups": 4},
+        "trainer": {"steps": 8, "lr": 1e-3, "checkpoint_every": 2, "warmup": {"max_steps": 0}},
+        "bus": {"ack_wait_s": 4, "heartbeat_ttl_s": 3, "duplicate_window_s": 600},
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return data
+
+
+@dataclass
+class Cluster:
+    """Every role of one run as a separate process."""
+
+    url: str
+    config: RunConfig
+    work: Path
+    roles: list[Role]
+    bus: Bus | None = None
+
+    @classmethod
+    async def start(cls, url: str, config: RunConfig, work: Path) -> Cluster:
+        nc = await connect(ConnectionSettings(nats_url=[url]), name="e2e")
+        await provision(nc.jetstream(), config)
+        (work / "logs").mkdir(parents=True, exist_ok=True)
+        roles = [
+            Role(name, i, cmd, work / "logs" / f"{name}-{i}.log")
+            for name, i, cmd in role_commands(config, url, work / "cache")
+        ]
+        cluster = cls(url, config, work, roles, await Bus.attach(nc, config.run))
+        for role in roles:
+            role.start()
+        return cluster
+
+    def role(self, name: str, index: int = 0) -> Role:
+        return next(r for r in self.roles if r.name == name and r.index == index)
+
+    def kill(self, name: str, index: int = 0) -> None:
+        """SIGKILL a role process by its PID, as a crash would."""
+        role = self.role(name, index)
+        assert role.proc is not None and role.proc.poll() is None, f"{name}-{index} is not running"
+        os.kill(role.proc.pid, signal.SIGKILL)
+        role.proc.wait(timeout=10)
+        role.finished = True  # expected to be dead from now on
+
+    async def kv_int(self, key: str) -> int:
+        assert self.bus is not None
+        try:
+            return int((await self.bus.state.get(key)).value or b"0")
+        except nats.js.errors.KeyNotFoundError:
+            return 0
+
+    async def wait_step(self, step: int, timeout_s: float = 240.0) -> None:
+        """Wait until the actor has finished `step` steps; fail fast with logs when a role dies."""
+        deadline = time.monotonic() + timeout_s
+        while await self.kv_int("trainer.step") < step:
+            for r in self.roles:
+                code = r.proc.poll() if r.proc and not r.finished else None
+                if code not in (None, 0):
+                    raise AssertionError(f"{r.name}-{r.index} died with {code}:\n{self.log_tail(r)}")
+            assert time.monotonic() < deadline, f"step {step} not reached in {timeout_s}s\n{self.all_logs()}"
+            await asyncio.sleep(0.2)
+
+    async def wait_done(self, timeout_s: float = 240.0) -> None:
+        await self.wait_step(self.config.trainer.steps, timeout_s)
+        actor = self.role("actor")
+        assert actor.proc is not None
+        deadline = time.monotonic() + 60
+        while actor.proc.poll() is None:
+            assert time.monotonic() < deadline, "actor did not exit after its last step"
+            await asyncio.sleep(0.2)
+        assert actor.proc.returncode == 0, self.log_tail(actor)
+
+    def log_tail(self, role: Role, lines: int = 30) -> str:
+        try:
+            return "\n".join(role.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def all_logs(self) -> str:
+        return "\n".join(f"--- {r.name}-{r.index}\n{self.log_tail(r, 15)}" for r in self.roles)
+
+    async def stop(self) -> None:
+        for role in reversed(self.roles):
+            role.stop(timeout_s=15)
+        if self.bus is not None:
+            await self.bus.nc.close()
+
+    async def read(self, key: str) -> list[Message]:
+        """Every message still in one of the run's streams, decoded."""
+        assert self.bus is not None
+        stream = self.bus.topology.stream(key).name
+        st = (await self.bus.js.stream_info(stream)).state
+        out = []
+        for seq in range(st.first_seq, st.last_seq + 1) if st.messages else ():
+            raw = await self.bus.js.get_msg(stream, seq)
+            out.append(await open_message(raw.data or b"", raw.headers, self.bus.media))
+        return out
+
+    async def accounting(self) -> Accounting:
+        events = await self.read("events")
+        return Accounting.from_events(events, await self.kv_int("feeder.cursor"), await self.read("train"))
+
+
+@dataclass
+class Accounting:
+    """Where every released prompt group ended up."""
+
+    released: int
+    effective: dict[int, list[str]]
+    """step -> group ids of the step whose update survived (the last record of each step number)."""
+    dropped: list[str]
+    metrics: list[Metric]
+    train_groups: list[TrainGroup]
+
+    @classmethod
+    def from_events(cls, events: list[Message], released: int, train: list[Message]) -> Accounting:
+        effective: dict[int, list[str]] = {}
+        dropped = []
+        for e in events:
+            if isinstance(e, RunEvent) and e.event == "step_trained":
+                effective[int(e.fields["step"])] = str(e.fields["groups"]).split(",")  # type: ignore[arg-type]
+            elif isinstance(e, RunEvent) and e.event == "group_dropped":
+                dropped.append(str(e.fields["group_id"]))
+        metrics = [e for e in events if isinstance(e, Metric)]
+        groups = [t for t in train if isinstance(t, TrainGroup)]
+        return cls(released, effective, dropped, metrics, groups)
+
+    @property
+    def trained(self) -> list[str]:
+        return [g for step in sorted(self.effective) for g in self.effective[step]]
+
+    def check_exactly_once(self, steps: int, groups_per_step: int) -> None:
+        """Every released group trained exactly once or dropped; nothing trained twice or skipped."""
+        trained = self.trained
+        twice = [g for g, n in Counter(trained).items() if n > 1]
+        assert not twice, f"trained twice: {twice}"
+        assert sorted(self.effective) == list(range(1, steps + 1)), f"steps recorded: {sorted(self.effective)}"
+        assert len(trained) == steps * groups_per_step
+        settled = set(trained) | set(self.dropped)
+        assert not set(trained) & set(self.dropped), "a group was both trained and dropped"
+        released = {f"e{i // 100}-i{i % 100}" for i in range(self.released)}
+        missing = released - settled
+        assert not missing, f"released but neither trained nor dropped: {sorted(missing)}"

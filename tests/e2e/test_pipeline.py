@@ -1,0 +1,122 @@
+"""Whole runs: every role a process, a real nats-server, a tiny model. Assertions come from the
+streams, KV and the actor's step records, never from logs."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from relax_bus.settings import parse_run_config
+from relax_bus.staleness import release_budget
+from tests.e2e.cluster import Cluster, small_config
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+
+
+def run_id() -> str:
+    return f"e2e{uuid.uuid4().hex[:8]}"
+
+
+async def run(nats_server, tmp_path, config, scenario=None) -> Cluster:
+    cluster = await Cluster.start(nats_server.url, config, tmp_path)
+    try:
+        if scenario is not None:
+            await scenario(cluster)
+        await cluster.wait_done()
+    except BaseException:
+        await cluster.stop()
+        raise
+    return cluster
+
+
+async def test_on_policy_trains_only_lag_zero_and_respects_the_credit_rule(nats_server, tmp_path):
+    config = parse_run_config(small_config(run_id(), staleness={"max_staleness": 0}))
+    cluster = await run(nats_server, tmp_path, config)
+    try:
+        acc = await cluster.accounting()
+        acc.check_exactly_once(config.trainer.steps, config.groups_per_step)
+        assert len(acc.metrics) == config.trainer.steps
+        assert all(m.values["lag_max"] == 0 for m in acc.metrics), [m.values["lag_max"] for m in acc.metrics]
+        assert all(g.policy_version == g.scored.rollout.prompt.released_at_version for g in acc.train_groups)
+        # Credit rule: a group was released only while the budget at its release allowed it.
+        dropped = len(acc.dropped)
+        for g in acc.train_groups:
+            p = g.scored.rollout.prompt
+            budget = release_budget(p.released_at_version, 0, config.groups_per_step, dropped)
+            assert budget is not None and p.release_index < budget, (p.release_index, p.released_at_version)
+        assert acc.released <= config.trainer.steps * config.groups_per_step + dropped
+    finally:
+        await cluster.stop()
+
+
+async def test_unbounded_staleness_runs_ahead(nats_server, tmp_path):
+    config = parse_run_config(
+        small_config(
+            run_id(), staleness={"max_staleness": "unbounded"}, trainer={"steps": 10, "warmup": {"max_steps": 0}}
+        )
+    )
+    cluster = await run(nats_server, tmp_path, config)
+    try:
+        acc = await cluster.accounting()
+        acc.check_exactly_once(config.trainer.steps, config.groups_per_step)
+        assert max(m.values["lag_max"] for m in acc.metrics) > 0
+        assert not acc.dropped
+    finally:
+        await cluster.stop()
+
+
+async def test_two_rollout_and_two_reward_workers_share_the_work(nats_server, tmp_path):
+    config = parse_run_config(small_config(run_id(), roles={"rollout": 2, "reward": 2}))
+    cluster = await run(nats_server, tmp_path, config)
+    try:
+        acc = await cluster.accounting()
+        acc.check_exactly_once(config.trainer.steps, config.groups_per_step)
+        rollout_ids = {g.scored.rollout.worker_id for g in acc.train_groups}
+        reward_ids = {g.scored.worker_id for g in acc.train_groups}
+        assert len(rollout_ids) == 2, rollout_ids
+        assert len(reward_ids) == 2, reward_ids
+    finally:
+        await cluster.stop()
+
+
+async def test_kill_9_of_a_rollout_worker_loses_nothing(nats_server, tmp_path):
+    config = parse_run_config(small_config(run_id(), roles={"rollout": 2}, trainer={"steps": 10}))
+
+    async def crash(cluster: Cluster) -> None:
+        await cluster.wait_step(3)
+        cluster.kill("rollout", 0)
+
+    cluster = await run(nats_server, tmp_path, config, crash)
+    try:
+        acc = await cluster.accounting()
+        acc.check_exactly_once(config.trainer.steps, config.groups_per_step)
+        prompts = cluster.bus.topology.consumer("prompts")
+        info = await cluster.bus.js.consumer_info(cluster.bus.topology.stream("prompts").name, prompts.durable)
+        assert info.num_ack_pending == 0 or cluster.role("rollout", 1).proc.poll() is None
+    finally:
+        await cluster.stop()
+
+
+async def test_kill_9_of_the_trainer_resumes_from_its_checkpoint(nats_server, tmp_path):
+    config = parse_run_config(small_config(run_id(), trainer={"steps": 10, "checkpoint_every": 2}))
+
+    async def crash(cluster: Cluster) -> None:
+        await cluster.wait_step(5)  # a checkpoint at step 4; step 5 is lost with the process
+        cluster.kill("actor")
+        actor = cluster.role("actor")
+        actor.stop()
+        actor.finished = False
+        actor.start()
+
+    cluster = await run(nats_server, tmp_path, config, crash)
+    try:
+        acc = await cluster.accounting()
+        acc.check_exactly_once(config.trainer.steps, config.groups_per_step)
+        record = await cluster.bus.state.get("trainer.checkpoint")
+        assert b'"step": 10' in (record.value or b"")
+        # Versions stay monotonic across the restart: no update number was handed out twice.
+        versions = [int(m.values["version"]) for m in acc.metrics]
+        assert len(set(versions)) == len(versions)
+    finally:
+        await cluster.stop()

@@ -1,0 +1,35 @@
+"""User reward functions for the scorer tests; imported by the scorer's child process."""
+
+from __future__ import annotations
+
+import time
+
+
+def good(completion: str, answer: str | None, finish_reason: str, bonus: float = 0.0) -> float:
+    """1.0 (+bonus) when the completion contains the answer."""
+    return float(answer is not None and answer in completion) + bonus
+
+
+def raises(completion: str, answer: str | None, finish_reason: str) -> float:
+    """Always fails."""
+    raise ZeroDivisionError("user code divided by zero")
+
+
+def hangs(completion: str, answer: str | None, finish_reason: str) -> float:
+    """Sleeps far past any timeout when the completion says so, answers 1.0 otherwise."""
+    if completion == "hang":
+        time.sleep(1000)
+    return 1.0
+
+
+def components(completion: str, answer: str | None, finish_reason: str) -> dict[str, float]:
+    """Two named parts: correctness and brevity."""
+    return {"correct": float(completion.strip() == answer), "short": 0.5 if len(completion) < 5 else 0.0}
+
+
+def not_a_number(completion: str, answer: str | None, finish_reason: str) -> str:
+    """Returns the wrong type."""
+    return "high"
+
+
+NOT_CALLABLE = 3

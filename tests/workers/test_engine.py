@@ -1,0 +1,229 @@
+"""The byte tokenizer, tiny model sources, teacher-forced log-probs and the torch generation engine."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import huggingface_hub.constants
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from workers.engines.base import Generated, SamplingSettings, make_engine
+from workers.engines.torch_engine import TorchEngine
+from workers.logprobs import response_logprobs, token_logprobs
+from workers.models import load_model, load_tokenizer, materialize
+from workers.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, build_byte_tokenizer
+
+pytestmark = pytest.mark.workers
+
+ODD_TEXTS = ["", "héllo wörld", "🙂👍🏽 emoji", "日本語", "\x00\x01\x7f\x80\xff", "  tabs\t\nand\r\n", "a<eos>b<pad>"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread: the tiny model gains little from two, and two crawl when the cores are busy."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return materialize("tiny", tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture
+def engine(model_dir: Path) -> TorchEngine:
+    return TorchEngine(model_dir)
+
+
+def prompts_of(*texts: str) -> list[list[int]]:
+    return [[BOS_ID, *t.encode()] for t in texts]
+
+
+PROMPTS = prompts_of("1+2=", "7+8=", "a much longer prompt, to force left padding=", "é")
+
+
+def one_direction_state(engine: TorchEngine, eos_gap: float) -> dict[str, torch.Tensor]:
+    """Weights whose logits are flat except eos, which sits `eos_gap * sqrt(hidden)` above the rest.
+
+    All layers are zero (the residual stream carries the embedding through), every embedding is e_0,
+    and eos's is (1 + eos_gap) e_0; the final RMSNorm turns either into sqrt(hidden) e_0.
+    The tied lm_head is left out: it arrives through its alias, the embedding.
+    """
+    state = {k: torch.zeros_like(v) for k, v in engine.model.named_parameters()}
+    for key in state:
+        if key.endswith("norm.weight"):
+            state[key] = torch.ones_like(state[key])
+    embed = state["model.embed_tokens.weight"]
+    embed[:, 0] = 1.0
+    embed[EOS_ID, 0] = 1.0 + eos_gap
+    return state
+
+
+def max_logprob_error(engine: TorchEngine, prompts: list[list[int]], out: list[list[Generated]], tau: float) -> float:
+    worst = 0.0
+    with torch.no_grad():
+        for prompt, samples in zip(prompts, out, strict=True):
+            ref = response_logprobs(engine.model, prompt, [g.token_ids for g in samples], tau)
+            for g, r in zip(samples, ref, strict=True):
+                worst = max(worst, (torch.tensor(g.logprobs) - r).abs().max().item())
+    return worst
+
+
+def test_tokenizer_round_trips_odd_text_and_bytes() -> None:
+    tok = build_byte_tokenizer()
+    assert (len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (VOCAB_SIZE, PAD_ID, BOS_ID, EOS_ID)
+    for text in ODD_TEXTS:
+        ids = tok.encode(text)
+        assert ids == list(text.encode("utf-8")), text  # one token per byte, no bos/eos added
+        assert tok.decode(ids) == text
+        assert tok.decode([BOS_ID, *ids, EOS_ID, PAD_ID], skip_special_tokens=True) == text
+    assert tok.decode([0xF0, 0x9F]) == "\ufffd"  # a cut-off emoji decodes without raising
+
+
+def test_tokenizer_saves_and_loads_offline(tmp_path: Path) -> None:
+    build_byte_tokenizer().save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert (len(loaded), loaded.pad_token_id, loaded.bos_token_id, loaded.eos_token_id) == (259, 256, 257, 258)
+    for text in ODD_TEXTS:
+        assert loaded.decode(loaded.encode(text)) == text
+        assert loaded.encode(text) == list(text.encode("utf-8"))
+
+
+def test_materialize_tiny_builds_a_loadable_model_dir(tmp_path: Path) -> None:
+    path = materialize("tiny", tmp_path / "m", seed=3)
+    assert (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file()
+    model = load_model(path)
+    assert isinstance(model, LlamaForCausalLM) and not model.training
+    cfg = model.config
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.intermediate_size) == (128, 2, 4, 512)
+    assert (cfg.vocab_size, cfg.max_position_embeddings, cfg.tie_word_embeddings) == (259, 256, True)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert len(load_tokenizer(path)) == 259
+    again = load_model(materialize("tiny", tmp_path / "again", seed=3))
+    for (key, a), b in zip(model.state_dict().items(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b), key
+    assert materialize("tiny", tmp_path / "m", seed=3) == path  # reused, not rebuilt
+    small = load_model(materialize("tiny:64x1", tmp_path / "small"))
+    assert (small.config.hidden_size, small.config.num_hidden_layers) == (64, 1)
+    assert materialize(str(path), tmp_path / "unused") == path
+
+
+def test_materialize_rejects_bad_sources_clearly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match=r"unknown model source 'gpt9'.*'tiny'.*'hf:<repo id>'"):
+        materialize("gpt9", tmp_path / "x")
+    with pytest.raises(ValueError, match=r"no config\.json"):
+        materialize(str(tmp_path), tmp_path / "x")
+    with pytest.raises(ValueError, match="multiple of 8"):
+        materialize("tiny:12x1", tmp_path / "x")
+    materialize("tiny:64x1", tmp_path / "m", seed=0)
+    with pytest.raises(ValueError, match="already holds another model"):
+        materialize("tiny:64x1", tmp_path / "m", seed=1)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match="HF_HUB_OFFLINE"):
+        materialize("hf:nobody/no-such-model", tmp_path / "hf")
+
+
+def test_make_engine_knows_torch_and_names_engines_for_unknown(model_dir: Path) -> None:
+    assert isinstance(make_engine("torch", model_dir), TorchEngine)
+    with pytest.raises(ValueError, match="unknown engine 'vllm9'; known engines: torch"):
+        make_engine("vllm9", model_dir)
+
+
+def test_sampling_settings_reject_impossible_values() -> None:
+    for bad in ({"temperature": 0.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"max_new_tokens": 0}):
+        with pytest.raises(ValueError):
+            SamplingSettings(**bad)
+
+
+def test_token_logprobs_ignore_padding_side(engine: TorchEngine) -> None:
+    seq = torch.tensor([PROMPTS[2]])
+    plain = token_logprobs(engine.model, seq, torch.ones_like(seq), 0.7)  # [1, T-1]
+    pad = torch.full((1, 3), PAD_ID)
+    left = token_logprobs(engine.model, torch.cat([pad, seq], 1), torch.cat([pad * 0, seq * 0 + 1], 1), 0.7)
+    right = token_logprobs(engine.model, torch.cat([seq, pad], 1), torch.cat([seq * 0 + 1, pad * 0], 1), 0.7)
+    assert plain.dtype == torch.float32 and plain.shape == (1, seq.shape[1] - 1)
+    assert (left[:, 3:] - plain).abs().max() < 1e-5 and (left[:, :3] == 0).all()
+    assert (right[:, : plain.shape[1]] - plain).abs().max() < 1e-5 and (right[:, plain.shape[1] :] == 0).all()
+
+
+def test_engine_returns_n_aligned_samples_per_prompt(engine: TorchEngine) -> None:
+    out = engine.generate(PROMPTS, 3, SamplingSettings(max_new_tokens=5, seed=0))
+    assert len(out) == len(PROMPTS) and all(len(samples) == 3 for samples in out)
+    total = 0
+    for g in (g for samples in out for g in samples):
+        assert 1 <= len(g.token_ids) == len(g.logprobs) <= 5
+        assert all(lp <= 0 for lp in g.logprobs)
+        assert g.text == engine.tokenizer.decode(g.token_ids, skip_special_tokens=True)
+        stopped = g.token_ids[-1] == EOS_ID
+        assert g.finish_reason == ("stop" if stopped else "length")
+        assert stopped or len(g.token_ids) == 5
+        assert EOS_ID not in g.token_ids[:-1]
+        total += len(g.token_ids)
+    assert engine.tokens_generated() == total
+
+
+def test_engine_finish_reasons_length_and_stop(engine: TorchEngine) -> None:
+    engine.load_state_dict(one_direction_state(engine, eos_gap=-2.0), version=1)  # eos all but impossible
+    out = engine.generate(PROMPTS, 2, SamplingSettings(max_new_tokens=3, seed=0))
+    assert all(g.finish_reason == "length" and len(g.token_ids) == 3 for s in out for g in s)
+    engine.load_state_dict(one_direction_state(engine, eos_gap=2.0), version=2)  # eos near certain
+    out = engine.generate(PROMPTS, 2, SamplingSettings(max_new_tokens=3, seed=0))
+    for g in (g for s in out for g in s):
+        assert (g.token_ids, g.text, g.finish_reason) == ([EOS_ID], "", "stop")
+        assert g.logprobs[0] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_rows_that_stop_early_keep_their_own_logprobs(engine: TorchEngine) -> None:
+    engine.load_state_dict(one_direction_state(engine, eos_gap=0.4), version=1)  # eos ~25% per step
+    out = engine.generate(PROMPTS, 8, SamplingSettings(max_new_tokens=8, seed=0))
+    samples = [g for s in out for g in s]
+    assert {g.finish_reason for g in samples} == {"stop", "length"}
+    assert len({len(g.token_ids) for g in samples}) > 3
+    assert max_logprob_error(engine, PROMPTS, out, 1.0) < 1e-4
+
+
+@pytest.mark.parametrize(("tau", "top_p"), [(1.0, 1.0), (0.7, 1.0), (0.7, 0.8), (1.3, 0.95)])
+def test_rollout_logprobs_match_teacher_forced(engine: TorchEngine, tau: float, top_p: float) -> None:
+    out = engine.generate(PROMPTS, 4, SamplingSettings(temperature=tau, top_p=top_p, max_new_tokens=12, seed=1))
+    assert max_logprob_error(engine, PROMPTS, out, tau) < 1e-4
+
+
+def test_tiny_top_p_samples_the_argmax(engine: TorchEngine) -> None:
+    out = engine.generate(PROMPTS, 2, SamplingSettings(top_p=1e-6, max_new_tokens=6, seed=0))
+    with torch.no_grad():
+        for prompt, samples in zip(PROMPTS, out, strict=True):
+            for g in samples:
+                seq = torch.tensor([prompt + g.token_ids])
+                greedy = engine.model(input_ids=seq).logits[0, len(prompt) - 1 : -1].argmax(-1)
+                assert greedy.tolist() == g.token_ids
+
+
+def test_load_state_dict_changes_logprobs_and_version(engine: TorchEngine) -> None:
+    original = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    settings = SamplingSettings(temperature=0.7, max_new_tokens=4, seed=5)
+    before = engine.generate(PROMPTS, 2, settings)
+    zeroed = dict(original, **{"model.embed_tokens.weight": torch.zeros_like(original["model.embed_tokens.weight"])})
+    zeroed["lm_head.weight"] = zeroed["model.embed_tokens.weight"]
+    engine.load_state_dict(zeroed, version=7)
+    assert engine.version == 7
+    flat = engine.generate(PROMPTS, 2, settings)  # zero embeddings: every logit 0, uniform over the vocabulary
+    lps = [lp for s in flat for g in s for lp in g.logprobs]
+    assert max(abs(lp + math.log(VOCAB_SIZE)) for lp in lps) < 1e-5
+    engine.load_state_dict(original, version=8)
+    assert engine.version == 8 and engine.generate(PROMPTS, 2, settings) == before
+    with pytest.raises(ValueError, match="does not fit the model"):
+        engine.load_state_dict({"model.embed_tokens.weight": original["model.embed_tokens.weight"]}, version=9)
+    assert engine.version == 8
+
+
+def test_generation_is_deterministic_with_a_seed(engine: TorchEngine) -> None:
+    settings = SamplingSettings(max_new_tokens=8, seed=42)
+    first = engine.generate(PROMPTS, 4, settings)
+    assert engine.generate(PROMPTS, 4, settings) == first
+    assert engine.generate(PROMPTS, 4, SamplingSettings(max_new_tokens=8, seed=43)) != first

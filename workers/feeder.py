@@ -1,0 +1,88 @@
+"""The feeder role: releases prompt groups under the staleness credit rule.
+
+It may have released at most `(v + max_staleness + 1) * groups_per_step + dropped` groups
+(`relax_bus.staleness.release_budget`), and stops once the run's steps are covered. Its cursor (groups
+released so far) lives in KV, so a restarted feeder continues where it stopped; a group republished
+after a crash carries the same `Nats-Msg-Id` and is deduplicated by the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from relax_bus.bus import Bus
+from relax_bus.errors import PublishFailed
+from relax_bus.log import get_logger
+from relax_bus.stale_filter import DROPPED_KEY, read_counter
+from relax_bus.staleness import releasable
+from schemas import PromptGroup
+from workers.tasks import TaskItem, load_task
+
+log = get_logger(__name__)
+
+CURSOR_KEY = "feeder.cursor"
+POLL_S = 0.2
+
+
+def group_for(bus: Bus, items: list[TaskItem], release_index: int, version: int) -> PromptGroup:
+    """The prompt group released as number `release_index` (epochs cycle over the dataset)."""
+    epoch, row = divmod(release_index, len(items))
+    item = items[row]
+    return PromptGroup(
+        run=bus.run,
+        group_id=f"e{epoch}-i{item.index}",
+        parts=item.parts,
+        answer=item.answer,
+        n_samples=bus.config.samples_per_group,
+        release_index=release_index,
+        released_at_version=version,
+        epoch=epoch,
+        index=item.index,
+        task=item.task,
+    )
+
+
+async def feed(bus: Bus, stop: asyncio.Event) -> int:
+    """Release groups until the run's steps are covered (or `stop`); return the number released."""
+    cfg = bus.config
+    items = load_task({"type": cfg.task.type, **cfg.task.options})
+    if not items:
+        raise ValueError(f"task {cfg.task.type!r} produced no items")
+    released, cursor_rev = await read_counter(bus.state, CURSOR_KEY)
+    target = cfg.trainer.steps * cfg.groups_per_step
+    log.info("feeder_started", items=len(items), released=released, target=target)
+    while not stop.is_set():
+        version, _ = await bus.version.get()
+        dropped, _ = await read_counter(bus.state, DROPPED_KEY)
+        need = target + dropped - released
+        if need <= 0:
+            break
+        allowed = releasable(released, version, cfg.staleness.max_staleness, cfg.groups_per_step, dropped)
+        n = min(need, cfg.groups_per_step if allowed is None else allowed, cfg.groups_per_step)
+        if n == 0:
+            await _sleep(stop, POLL_S)
+            continue
+        subject = bus.topology.subject("prompts")
+        groups = [group_for(bus, items, released + i, version) for i in range(n)]
+        try:
+            await bus.publisher.publish_many([(subject, g) for g in groups], deadline_s=30.0)
+        except PublishFailed as err:
+            # Tolerated: the prompts hop is full (back-pressure) or NATS is away; retry the same ids.
+            log.info("feeder_waiting", reason=str(err))
+            continue
+        released += n
+        cursor_rev = (
+            await bus.state.update(CURSOR_KEY, str(released).encode(), last=cursor_rev)
+            if cursor_rev
+            else (await bus.state.create(CURSOR_KEY, str(released).encode()))
+        )
+        log.info("groups_released", released=released, version=version, dropped=dropped)
+    log.info("feeder_done", released=released)
+    return released
+
+
+async def _sleep(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+    except TimeoutError:
+        pass

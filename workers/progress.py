@@ -1,0 +1,48 @@
+"""Live progress of a run on the launcher's terminal: a bar with reward, lag, throughput, queue depths."""
+
+from __future__ import annotations
+
+import time
+from typing import IO
+
+
+class Progress:
+    """Redraws one status line on a terminal; prints a line every few steps otherwise."""
+
+    def __init__(self, total: int, out: IO[str], every: int = 10) -> None:
+        self.total = total
+        self.out = out
+        self.tty = out.isatty()
+        self.every = every
+        self.started = time.time()
+        self.line = ""
+
+    def update(self, values: dict[str, float], depths: dict[str, int]) -> None:
+        step = int(values["step"])
+        done = min(1.0, step / self.total)
+        bar = "#" * int(done * 24)
+        queues = " ".join(f"{k}:{v}" for k, v in depths.items())
+        self.line = (
+            f"[{bar:<24}] step {step}/{self.total}  reward {values['reward_mean']:.3f}  "
+            f"lag {values.get('lag_mean', 0):.2f} (max {values.get('lag_max', 0):.0f})  "
+            f"tok/s {values.get('rollout_tokens_per_s', 0):.0f}  train {values.get('train_s', 0):.2f}s  "
+            f"dropped {values.get('dropped', 0):.0f}  queues {queues}  {time.time() - self.started:.0f}s"
+        )
+        if self.tty:
+            self.out.write("\r\x1b[2K" + self.line)
+        elif step % self.every == 0 or step == self.total or step == 1:
+            self.out.write(self.line + "\n")
+        self.out.flush()
+
+    def note(self, text: str) -> None:
+        """A message on its own line (the bar is redrawn after it)."""
+        if self.tty:
+            self.out.write("\r\x1b[2K" + text + "\n" + self.line)
+        else:
+            self.out.write(text + "\n")
+        self.out.flush()
+
+    def close(self) -> None:
+        if self.tty and self.line:
+            self.out.write("\n")
+            self.out.flush()

@@ -1,0 +1,47 @@
+"""The reference role: log-probs of every sampled response under the initial policy (version 0).
+
+In the chain only when `trainer.kl_coef > 0`: scored -> reference -> train.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import torch
+
+from relax_bus.bus import Bus
+from relax_bus.version import VersionTracker
+from relax_bus.worker import Delivery, Worker, WorkerOptions
+from schemas import ScoredGroup, TrainGroup, WireTensor
+from workers.logprobs import response_logprobs
+from workers.models import load_model, materialize
+from workers.weights import make_transport
+
+
+async def reference_worker(bus: Bus, cache_dir: Path, options: WorkerOptions | None = None) -> Worker[ScoredGroup]:
+    """A Worker that adds reference log-probs to scored groups, with the v0 weights loaded."""
+    cfg = bus.config
+    model_dir = await asyncio.to_thread(materialize, cfg.model.source, cache_dir / "base", cfg.model.seed)
+    model = await asyncio.to_thread(load_model, model_dir)
+    tracker = await VersionTracker(bus.version).start()
+    await tracker.wait_for(0)  # the actor publishes v0 after its warm-up
+    await tracker.stop()
+    state = await make_transport(bus).fetch(0)
+    model.load_state_dict(state)
+    model.eval()
+    temperature = cfg.rollout.temperature
+
+    def compute(group: ScoredGroup) -> TrainGroup:
+        rollout = group.rollout
+        prompt = list(rollout.prompt_token_ids.to_values())
+        responses = [list(s.token_ids.to_values()) for s in rollout.samples]
+        with torch.no_grad():
+            logps = response_logprobs(model, prompt, responses, temperature)  # type: ignore[arg-type]
+        tensors = tuple(WireTensor.from_values(lp.tolist(), "float32") for lp in logps)
+        return TrainGroup(scored=group, ref_logprobs=tensors)
+
+    async def handle(group: ScoredGroup, delivery: Delivery) -> TrainGroup:
+        return await asyncio.to_thread(compute, group)
+
+    return Worker(bus, "reference", handle, ScoredGroup, options or WorkerOptions(concurrency=1))

@@ -1,0 +1,134 @@
+"""`relax worker ROLE`: one role as one process, given only the NATS URL and the run id.
+
+The run config is read from KV. SIGTERM/SIGINT stop the role gracefully: workers finish or hand
+back their in-flight messages, the actor hands back a half-collected step, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from relax_bus.bus import Bus
+from relax_bus.heartbeat import HeartbeatWriter
+from relax_bus.log import get_logger
+from relax_bus.settings import ConnectionSettings
+from relax_bus.worker import Worker, WorkerOptions
+from schemas import WorkerHeartbeat
+
+log = get_logger(__name__)
+
+ROLES = ("feeder", "rollout", "reward", "reference", "actor")
+
+
+async def run_role(role: str, settings: ConnectionSettings, run: str, work_dir: Path, threads: int = 1) -> int:
+    """Connect (retrying for up to 60 s), run the role until it is done or stopped; return an exit code."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r} (roles: {', '.join(ROLES)})")
+    torch.set_num_threads(threads)
+    bus = await Bus.connect(settings, run, name=f"relax-{role}", retry_for_s=60.0)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    cache = work_dir / run
+    try:
+        if role == "feeder":
+            await _standalone(bus, role, lambda: None, _feeder(bus, stop))
+        elif role == "actor":
+            await _actor(bus, stop, cache)
+        else:
+            await _worker_role(bus, role, stop, cache)
+    finally:
+        await bus.close()
+    return 0
+
+
+async def _feeder(bus: Bus, stop: asyncio.Event) -> None:
+    from workers.feeder import feed
+
+    await feed(bus, stop)
+
+
+async def _actor(bus: Bus, stop: asyncio.Event, cache: Path) -> None:
+    from workers.actor import Actor
+    from workers.models import materialize
+    from workers.tasks import load_task
+    from workers.trainer import PolicyTrainer, init_distributed
+    from workers.weights import make_transport
+
+    init_distributed()
+    cfg = bus.config
+    model_dir = await asyncio.to_thread(materialize, cfg.model.source, cache / "base", cfg.model.seed)
+    trainer = await asyncio.to_thread(PolicyTrainer, model_dir, cfg)
+    actor = Actor(bus, trainer, make_transport(bus))
+
+    async def body() -> None:
+        items = load_task({"type": cfg.task.type, **cfg.task.options})
+        await actor.setup(items)
+        await actor.run(stop)
+
+    await _standalone(bus, "actor", lambda: actor.state.version, body())
+
+
+async def _worker_role(bus: Bus, role: str, stop: asyncio.Event, cache: Path) -> None:
+    worker: Worker[object]  # type: ignore[type-var]
+    cleanup = None
+    if role == "rollout":
+        from workers.rollout import rollout_worker
+
+        worker, rollout = await rollout_worker(bus, cache)  # type: ignore[assignment]
+        await rollout.start()
+        cleanup = rollout.stop
+    elif role == "reward":
+        from workers.reward import reward_worker
+
+        worker = reward_worker(bus)  # type: ignore[assignment]
+    else:
+        from workers.reference import reference_worker
+
+        worker = await reference_worker(bus, cache)  # type: ignore[assignment]
+    stopper = asyncio.create_task(_stop_when(stop, worker.stop))
+    try:
+        await worker.run()
+    finally:
+        stopper.cancel()
+        if cleanup is not None:
+            await cleanup()
+
+
+async def _stop_when(stop: asyncio.Event, action: Callable[[], None]) -> None:
+    await stop.wait()
+    action()
+
+
+async def _standalone(bus: Bus, role: str, version: Callable[[], int | None], body: object) -> None:
+    """Run a role that has its own loop, with a heartbeat of its own."""
+    worker_id = WorkerOptions().worker_id
+    started = time.time()
+
+    def beat() -> WorkerHeartbeat:
+        return WorkerHeartbeat(
+            run=bus.run,
+            role=role,
+            worker_id=worker_id,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            policy_version=version(),
+            started_at=started,
+        )
+
+    heartbeat = HeartbeatWriter(bus.workers, f"{role}.{worker_id}", beat, interval_s=bus.config.bus.heartbeat_ttl_s / 3)
+    await heartbeat.beat()
+    heartbeat.start()
+    try:
+        await body  # type: ignore[misc]
+    finally:
+        await heartbeat.stop(remove=True)

@@ -1,0 +1,164 @@
+"""The rollout role: generates the n responses of each prompt group with the current policy.
+
+Prompt groups fetched by the worker loop are collected into one engine call (up to
+`rollout.batch_groups` groups). Before every call the worker loads the newest published weights, and
+it never generates with weights older than `trainer version - max_staleness` (it waits for them).
+Each group is stamped with the version of the weights that generated it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from relax_bus.bus import Bus
+from relax_bus.control import Retry
+from relax_bus.errors import BlobNotFound
+from relax_bus.log import get_logger
+from relax_bus.staleness import sync_floor
+from relax_bus.version import VersionTracker
+from relax_bus.worker import Delivery, Worker, WorkerOptions
+from schemas import PromptGroup, RolloutGroup, RolloutTimings, Sample, WireTensor
+from workers.engines.base import Engine, Generated, SamplingSettings, make_engine
+from workers.models import load_tokenizer, materialize
+from workers.tasks import prompt_text
+from workers.weights import WeightTransport, make_transport
+
+log = get_logger(__name__)
+COLLECT_S = 0.01
+
+
+@dataclass
+class _Request:
+    prompt: PromptGroup
+    received: float
+    done: asyncio.Future[RolloutGroup] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class Rollout:
+    """Engine, tokenizer, weights and the micro-batcher of one rollout worker."""
+
+    def __init__(self, bus: Bus, engine: Engine, tokenizer: object, transport: WeightTransport, worker_id: str):
+        self.bus = bus
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.transport = transport
+        self.worker_id = worker_id
+        self.tracker = VersionTracker(bus.version)
+        self.queue: asyncio.Queue[_Request] = asyncio.Queue()
+        cfg = bus.config.rollout
+        self.sampling = SamplingSettings(
+            temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens
+        )
+        self.batch = cfg.batch_groups
+        self._loop_task: asyncio.Task[None] | None = None
+        self.worker: Worker[PromptGroup] | None = None
+        self.tokens = 0
+        self.generate_s = 0.0
+
+    async def start(self) -> None:
+        await self.tracker.start()
+        self._loop_task = asyncio.create_task(self._batches(), name="rollout-batches")
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        await self.tracker.stop()
+
+    async def handle(self, prompt: PromptGroup, delivery: Delivery) -> RolloutGroup:
+        """Worker handler: queue the group for the next engine call and wait for its samples."""
+        if self._loop_task is not None and self._loop_task.done():
+            raise RuntimeError("rollout batch loop stopped") from self._loop_task.exception()
+        request = _Request(prompt, time.time())
+        await self.queue.put(request)
+        return await request.done
+
+    async def sync_weights(self) -> float:
+        """Load the newest weights (waiting for the first version); return seconds spent."""
+        started = time.perf_counter()
+        floor = sync_floor(max(self.tracker.value, 0), self.bus.config.staleness.max_staleness)
+        target = await self.tracker.wait_for(max(floor, 0))
+        if target <= self.engine.version:
+            return 0.0
+        try:
+            state = await self.transport.fetch(target)
+        except BlobNotFound:
+            raise Retry(1.0, f"weights v{target} not found") from None
+        await asyncio.to_thread(self.engine.load_state_dict, state, target)
+        if self.worker is not None:
+            self.worker.policy_version = target
+        log.info("weights_loaded", version=target, seconds=round(time.perf_counter() - started, 3))
+        return time.perf_counter() - started
+
+    async def _batches(self) -> None:
+        while True:
+            requests = [await self.queue.get()]
+            await asyncio.sleep(COLLECT_S)  # let the rest of a fetched batch arrive
+            while len(requests) < self.batch and not self.queue.empty():
+                requests.append(self.queue.get_nowait())
+            try:
+                results = await self._generate(requests)
+            except Exception as err:  # each waiting handler gets the failure; the worker loop settles it
+                for r in requests:
+                    if not r.done.done():
+                        r.done.set_exception(err)
+                continue
+            for r, group in zip(requests, results, strict=True):
+                if not r.done.done():  # a handler cancelled by shutdown no longer waits
+                    r.done.set_result(group)
+
+    async def _generate(self, requests: list[_Request]) -> list[RolloutGroup]:
+        sync_s = await self.sync_weights()
+        version = self.engine.version
+        ids = [self._encode(r.prompt) for r in requests]
+        n = self.bus.config.samples_per_group
+        started = time.perf_counter()
+        outputs = await asyncio.to_thread(self.engine.generate, ids, n, self.sampling)
+        elapsed = time.perf_counter() - started
+        self.generate_s += elapsed
+        self.tokens += sum(len(g.token_ids) for samples in outputs for g in samples)
+        return [
+            RolloutGroup(
+                prompt=r.prompt,
+                prompt_token_ids=WireTensor.from_values(prompt_ids, "int32"),
+                samples=tuple(_sample(g) for g in samples),
+                policy_version=version,
+                engine=self.engine.name,
+                worker_id=self.worker_id,
+                timings=RolloutTimings(
+                    queued_s=max(0.0, time.time() - r.received - elapsed), generate_s=elapsed, weight_sync_s=sync_s
+                ),
+            )
+            for r, prompt_ids, samples in zip(requests, ids, outputs, strict=True)
+        ]
+
+    def _encode(self, prompt: PromptGroup) -> list[int]:
+        tok = self.tokenizer
+        text = prompt_text(prompt.parts)
+        return [tok.bos_token_id, *tok.encode(text, add_special_tokens=False)]  # type: ignore[attr-defined]
+
+
+def _sample(g: Generated) -> Sample:
+    return Sample(
+        token_ids=WireTensor.from_values(g.token_ids, "int32"),
+        logprobs=WireTensor.from_values(g.logprobs, "float32"),
+        text=g.text,
+        finish_reason=g.finish_reason,
+    )
+
+
+async def rollout_worker(
+    bus: Bus, cache_dir: Path, options: WorkerOptions | None = None
+) -> tuple[Worker[PromptGroup], Rollout]:
+    """Build the engine from the run config and a Worker that feeds it."""
+    cfg = bus.config
+    model_dir = await asyncio.to_thread(materialize, cfg.model.source, cache_dir / "base", cfg.model.seed)
+    engine = await asyncio.to_thread(make_engine, cfg.rollout.engine, model_dir)
+    engine.version = -1  # nothing loaded from the trainer yet: the first batch waits for v0
+    options = options or WorkerOptions(concurrency=cfg.rollout.batch_groups)
+    rollout = Rollout(bus, engine, load_tokenizer(model_dir), make_transport(bus), options.worker_id)
+    worker = Worker(bus, "rollout", rollout.handle, PromptGroup, options)
+    rollout.worker = worker
+    return worker, rollout
