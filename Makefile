@@ -1,4 +1,4 @@
-# Relax-bus: `make test` runs everything CI runs; `make demo` arrives with the RL pipeline.
+# Relax-bus: `make test` runs everything CI runs; `make demo` trains the demo model to a reward curve.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: install lint test test-unit test-bus bench demo clean
+.PHONY: install lint test test-unit test-bus test-e2e bench demo clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,17 +26,21 @@ test: lint
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 test-unit: install
-	$(VENV)/bin/pytest -m unit $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -m "unit or workers" $(PYTEST_ARGS)
 
 test-bus: install
 	$(VENV)/bin/pytest -m "bus or cli" $(PYTEST_ARGS)
 
+test-e2e: install
+	$(VENV)/bin/pytest -m e2e $(PYTEST_ARGS)
+
 bench: install
 	$(PY) benchmarks/bus_throughput.py
 
-demo:
-	@echo "make demo arrives with the RL pipeline (roles, trainer, tiny model); see README.md." >&2
-	@exit 2
+# A fresh learning run every time: the previous demo's run directory (and its NATS store) goes first.
+demo: install
+	rm -rf runs/demo
+	HF_HUB_OFFLINE=1 $(VENV)/bin/relax run examples/demo.yaml --run-dir runs/demo
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

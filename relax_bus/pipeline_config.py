@@ -75,6 +75,10 @@ class WarmupConfig(_Section):
     """Examples per warm-up step."""
     check_every: int = Field(default=10, ge=1)
     """Steps between accuracy checks."""
+    label_noise: float = Field(default=0.0, ge=0, lt=1)
+    """Fraction of answers replaced by wrong ones in the `noise_steps` that follow (0: none)."""
+    noise_steps: int = Field(default=0, ge=0)
+    """Supervised steps with noisy labels after the clean warm-up."""
 
 
 class TrainerConfig(_Section):

@@ -29,7 +29,7 @@ REQUIRE_NATS = os.environ.get("CI", "").lower() == "true" or os.environ.get("REL
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if not any(m in item.keywords for m in ("unit", "bus", "cli", "workers", "e2e")):
+        if not any(item.get_closest_marker(m) for m in ("unit", "bus", "cli", "workers", "e2e")):
             item.add_marker(pytest.mark.unit)
 
 

@@ -32,6 +32,7 @@ from relax_bus.settle import dead_letter, term
 from relax_bus.stale_filter import DROPPED_KEY, judge, read_counter
 from relax_bus.staleness import Verdict
 from schemas import Metric, RunEvent, SchemaError, TrainGroup
+from workers.distributed import DrivenTrainer
 from workers.trainer import PolicyTrainer
 from workers.weights import WeightTransport
 
@@ -68,7 +69,7 @@ class ActorState:
 class Actor:
     """The actor's loop over the bus; the math lives in `PolicyTrainer`."""
 
-    def __init__(self, bus: Bus, trainer: PolicyTrainer, transport: WeightTransport) -> None:
+    def __init__(self, bus: Bus, trainer: PolicyTrainer | DrivenTrainer, transport: WeightTransport) -> None:
         self.bus = bus
         self.trainer = trainer
         self.transport = transport
@@ -99,7 +100,7 @@ class Actor:
         if self.revision:
             # A previous actor published v0 but died before its first checkpoint: start from those weights.
             state = await self.transport.fetch(0)
-            await asyncio.to_thread(self.trainer.model.load_state_dict, state)
+            await asyncio.to_thread(self.trainer.load_full, state)
             self.state.version = current
             await self.bus.js.reset_consumer(self.stream, self.durable, seq=1)
         else:

@@ -23,7 +23,7 @@ def draw_curve(metrics: Path, target: Path, title: str = "") -> Path | None:
     reward = [r["reward_mean"] for r in rows]
     smooth = _moving_average(reward, 5)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, x, label in ((a, steps, "optimizer step"), (b, wall, "wall time (s)")):
+    for ax, x, label in ((a, steps, "optimizer step"), (b, wall, "seconds since the actor started")):
         ax.plot(x, reward, color="#9ecae1", linewidth=1, label="reward (step mean)")
         ax.plot(x, smooth, color="#08519c", linewidth=2, label="moving average (5)")
         ax.set_xlabel(label)

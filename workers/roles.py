@@ -33,6 +33,8 @@ async def run_role(role: str, settings: ConnectionSettings, run: str, work_dir: 
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r} (roles: {', '.join(ROLES)})")
     torch.set_num_threads(threads)
+    if role == "actor" and await _follower(settings, run, work_dir / run):
+        return 0
     bus = await Bus.connect(settings, run, name=f"relax-{role}", retry_for_s=60.0)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -57,23 +59,54 @@ async def _feeder(bus: Bus, stop: asyncio.Event) -> None:
     await feed(bus, stop)
 
 
-async def _actor(bus: Bus, stop: asyncio.Event, cache: Path) -> None:
-    from workers.actor import Actor
-    from workers.models import materialize
-    from workers.tasks import load_task
-    from workers.trainer import PolicyTrainer, init_distributed
-    from workers.weights import make_transport
+async def _follower(settings: ConnectionSettings, run: str, cache: Path) -> bool:
+    """Under torchrun, ranks > 0 mirror rank 0's trainer and never touch the bus; True if this was one."""
+    from workers.distributed import follow, world
+    from workers.trainer import init_distributed
 
     init_distributed()
+    rank, _ = world()
+    if rank == 0:
+        return False
+    from relax_bus.provision import read_config
+    from workers.models import materialize
+    from workers.trainer import PolicyTrainer
+
+    bus = await Bus.connect(settings, run, name="relax-actor-follower", retry_for_s=60.0)
+    try:
+        config = await read_config(bus.js, run)
+    finally:
+        await bus.close()
+    assert config is not None
+    model_dir = await asyncio.to_thread(materialize, config.model.source, cache / "base", config.model.seed)
+    trainer = await asyncio.to_thread(PolicyTrainer, model_dir, config)
+    await asyncio.to_thread(follow, trainer)
+    return True
+
+
+async def _actor(bus: Bus, stop: asyncio.Event, cache: Path) -> None:
+    from workers.actor import Actor
+    from workers.distributed import DrivenTrainer, world
+    from workers.models import materialize
+    from workers.tasks import load_task
+    from workers.trainer import PolicyTrainer
+    from workers.weights import make_transport
+
     cfg = bus.config
     model_dir = await asyncio.to_thread(materialize, cfg.model.source, cache / "base", cfg.model.seed)
-    trainer = await asyncio.to_thread(PolicyTrainer, model_dir, cfg)
+    local = await asyncio.to_thread(PolicyTrainer, model_dir, cfg)
+    _, size = world()
+    trainer = DrivenTrainer(local) if size > 1 else local
     actor = Actor(bus, trainer, make_transport(bus))
 
     async def body() -> None:
         items = load_task({"type": cfg.task.type, **cfg.task.options})
-        await actor.setup(items)
-        await actor.run(stop)
+        try:
+            await actor.setup(items)
+            await actor.run(stop)
+        finally:
+            if isinstance(trainer, DrivenTrainer):
+                trainer.stop()
 
     await _standalone(bus, "actor", lambda: actor.state.version, body())
 

@@ -121,6 +121,11 @@ class PolicyTrainer:
         """The whole model on CPU (a collective: every rank calls it; rank 0 gets the tensors)."""
         return get_model_state_dict(self.model, options=FULL)
 
+    def load_full(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a full (unsharded) state dict, e.g. the published v0 weights (a collective)."""
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.world > 1)
+        set_model_state_dict(self.model, state, options=options)
+
     def checkpoint_bytes(self, extra: dict[str, Any]) -> bytes:
         """Model, optimizer and `extra` as torch.save bytes (a collective)."""
         state = {
@@ -134,8 +139,10 @@ class PolicyTrainer:
         return buf.getvalue()
 
     def restore(self, data: bytes) -> dict[str, Any]:
-        """Load a checkpoint written by `checkpoint_bytes`; return its `extra`."""
-        state = torch.load(io.BytesIO(data), weights_only=False)
+        """Load a checkpoint written by `checkpoint_bytes`; return its `extra` (ranks > 0 may pass b"")."""
+        state = (
+            torch.load(io.BytesIO(data), weights_only=False) if data else {"model": {}, "optimizer": {}, "extra": {}}
+        )
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.world > 1)
         set_model_state_dict(self.model, state["model"], options=options)
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
@@ -193,7 +200,12 @@ class PolicyTrainer:
     # ---- supervised warm-up ------------------------------------------------------------------------------
 
     def warmup(self, items: Sequence[TaskItem]) -> dict[str, float]:
-        """Supervised steps on (prompt, answer) until sampled accuracy reaches the target or max_steps."""
+        """Supervised steps on (prompt, answer) until sampled accuracy reaches the target or max_steps.
+
+        With `label_noise` > 0, `noise_steps` more steps follow in which that fraction of the answers is
+        replaced by wrong ones: the model keeps the task's format but loses its confidence, so RL starts
+        from a weak, reproducible policy with a dense reward signal.
+        """
         wcfg = self.cfg.warmup
         examples = [(self._prompt_ids(it), self._answer_ids(it)) for it in items if it.answer is not None]
         if wcfg.max_steps == 0 or not examples:
@@ -203,32 +215,49 @@ class PolicyTrainer:
         accuracy = 0.0
         step = 0
         for step in range(1, wcfg.max_steps + 1):
-            chosen = [examples[rng.randrange(len(examples))] for _ in range(wcfg.batch_size)]
-            seqs = [p + a for p, a in chosen]
-            width = max(len(s) for s in seqs)
-            ids = torch.zeros(len(seqs), width, dtype=torch.long)
-            attention = torch.zeros_like(ids)
-            mask = torch.zeros(len(seqs), width - 1)
-            for row, ((p, _), s) in enumerate(zip(chosen, seqs, strict=True)):
-                ids[row, : len(s)] = torch.tensor(s)
-                attention[row, : len(s)] = 1
-                mask[row, len(p) - 1 : len(s) - 1] = 1
-            logp = token_logprobs(self.model, ids, attention)
-            loss = -(logp * mask).sum() / mask.sum()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            loss = self._sft_step(opt, [examples[rng.randrange(len(examples))] for _ in range(wcfg.batch_size)])
             if step % wcfg.check_every == 0:
                 accuracy = self.sampled_accuracy(items[:64])
-                log.info("warmup_progress", step=step, loss=round(float(loss.detach()), 4), accuracy=round(accuracy, 3))
+                log.info("warmup_progress", step=step, loss=round(loss, 4), accuracy=round(accuracy, 3))
                 if accuracy >= wcfg.target_accuracy:
                     break
-        return {"warmup_steps": float(step), "warmup_accuracy": accuracy}
+        answers = [a for _, a in examples]
+        for _ in range(wcfg.noise_steps if wcfg.label_noise > 0 else 0):
+            chosen = []
+            for _ in range(wcfg.batch_size):
+                prompt, answer = examples[rng.randrange(len(examples))]
+                if rng.random() < wcfg.label_noise:
+                    answer = rng.choice([a for a in answers if a != answer] or [answer])
+                chosen.append((prompt, answer))
+            self._sft_step(opt, chosen)
+        if wcfg.label_noise > 0 and wcfg.noise_steps > 0:
+            accuracy = self.sampled_accuracy(items[:64])
+            log.info("warmup_noise_done", steps=wcfg.noise_steps, accuracy=round(accuracy, 3))
+        return {"warmup_steps": float(step + wcfg.noise_steps), "warmup_accuracy": accuracy}
+
+    def _sft_step(self, opt: torch.optim.Optimizer, chosen: Sequence[tuple[list[int], list[int]]]) -> float:
+        """One supervised step: mean token log-loss of the answers after their prompts."""
+        seqs = [p + a for p, a in chosen]
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        attention = torch.zeros_like(ids)
+        mask = torch.zeros(len(seqs), width - 1)
+        for row, ((p, _), s) in enumerate(zip(chosen, seqs, strict=True)):
+            ids[row, : len(s)] = torch.tensor(s)
+            attention[row, : len(s)] = 1
+            mask[row, len(p) - 1 : len(s) - 1] = 1
+        logp = token_logprobs(self.model, ids, attention)
+        loss = -(logp * mask).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
 
     @torch.no_grad()
     def sampled_accuracy(self, items: Sequence[TaskItem]) -> float:
         """Fraction of one temperature-1 sample per item that exactly matches the answer (then eos)."""
         self.model.eval()
+        generator = torch.Generator().manual_seed(self.cfg.seed)
         try:
             eos = self.tokenizer.eos_token_id
             hits = 0
@@ -237,7 +266,8 @@ class PolicyTrainer:
                 out: list[int] = []
                 for _ in range(self.config.rollout.max_new_tokens):
                     logits = self.model(input_ids=ids, use_cache=False).logits[0, -1] / self.config.rollout.temperature
-                    token = int(torch.multinomial(logits.softmax(-1), 1))
+                    # One generator seeded alike on every rank: FSDP ranks must take identical branches.
+                    token = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
                     if token == eos:
                         break
                     out.append(token)
