@@ -42,9 +42,15 @@ def _parser() -> argparse.ArgumentParser:
 
     w = with_nats(sub.add_parser("worker", help="run one role of an initialised run (its config comes from KV)"))
     w.add_argument("role", choices=ROLES, help="the role to run")
-    w.add_argument("--run", required=True, help="run id")
+    w.add_argument("--run", "--run-id", dest="run", required=True, help="run id")
     w.add_argument("--work-dir", default="./.relax/work", help="local cache for model files (default ./.relax/work)")
     w.add_argument("--threads", type=int, default=1, help="torch threads of this process (default 1)")
+    w.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        default=argparse.SUPPRESS,
+        help="log level (also accepted before the command)",
+    )
 
     r = sub.add_parser("run", help="run a whole training run locally: NATS, every role, progress, reward curve")
     r.add_argument("config", help="run config (YAML or JSON)")

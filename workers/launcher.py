@@ -21,14 +21,17 @@ from typing import IO, Any
 
 from relax_bus.bus import Bus
 from relax_bus.connection import connect
+from relax_bus.errors import ConfigError
 from relax_bus.provision import provision
 from relax_bus.server import EmbeddedServer
 from relax_bus.settings import ConnectionSettings, RunConfig
 from schemas import Metric, RunEvent, decode
 from workers.curve import draw_curve
+from workers.errors import RunFailed
 from workers.progress import Progress
 
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0)
+MAX_RESTARTS = 5
 
 
 @dataclass
@@ -64,37 +67,58 @@ class Role:
 
 def role_commands(config: RunConfig, url: str, work_dir: Path) -> list[tuple[str, int, list[str]]]:
     """The `relax worker` command line of every process the run needs."""
-    base = [sys.executable, "-m", "relax_bus.cli", "--log-level", "info", "worker"]
-    common = ["--nats-url", url, "--run", config.run, "--work-dir", str(work_dir)]
+    # The role comes first after the module: torchrun hands everything after it to the script.
+    args = [
+        "worker",
+        "{role}",
+        "--log-level",
+        "info",
+        "--nats-url",
+        url,
+        "--run-id",  # not --run: torchrun's parser would take it for an abbreviation of --run-path
+        config.run,
+        "--work-dir",
+        str(work_dir),
+    ]
     counts = {"feeder": 1, "rollout": config.roles.rollout, "reward": config.roles.reward, "actor": 1}
     if config.reference:
         counts["reference"] = config.roles.reference
     out = []
     for role, count in counts.items():
+        role_args = [a.format(role=role) for a in args]
         for i in range(count):
-            cmd = [*base, role, *common]
+            cmd = [sys.executable, "-m", "relax_bus.cli", *role_args]
             if role == "actor" and config.trainer.nproc > 1:
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    "--standalone",
-                    f"--nproc-per-node={config.trainer.nproc}",
-                    "-m",
-                    "relax_bus.cli",
-                    "--log-level",
-                    "info",
-                    "worker",
-                    role,
-                    *common,
-                ]
+                launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={config.trainer.nproc}"]
+                cmd = [sys.executable, *launcher, "-m", "relax_bus.cli", *role_args]
             out.append((role, i, cmd))
     return out
+
+
+def preflight(config: RunConfig, work_dir: Path) -> None:
+    """Fail before starting anything when the model, the task or a reward function cannot be used."""
+    from workers.models import materialize
+    from workers.reward import make_scorer_from
+    from workers.tasks import load_task
+
+    problems = []
+    for what, check in (
+        ("model.source", lambda: materialize(config.model.source, work_dir / config.run / "base", config.model.seed)),
+        ("task", lambda: load_task({"type": config.task.type, **config.task.options})),
+        ("rewards", lambda: make_scorer_from(config).close()),
+    ):
+        try:
+            check()
+        except (ValueError, OSError) as err:
+            problems.append(f"{what}: {err}")
+    if problems:
+        raise ConfigError(f"run {config.run}", problems)
 
 
 async def launch(config: RunConfig, run_dir: Path, nats_url: str | None, out: IO[str]) -> dict[str, Any]:
     """Run to completion; return the summary (also written to run_dir/summary.json)."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    await asyncio.to_thread(preflight, config, run_dir / "work")
     (run_dir / "logs").mkdir(exist_ok=True)
     server = None
     if nats_url is None:
@@ -183,6 +207,12 @@ def _supervise(roles: list[Role], progress: Progress) -> None:
         if code == 0:
             role.finished = True  # the feeder and the actor end by themselves
             continue
+        if role.restarts >= MAX_RESTARTS:
+            tail = "\n".join(role.log_path.read_text(errors="replace").splitlines()[-8:])
+            raise RunFailed(
+                f"{role.name}-{role.index} exited with {code} after {role.restarts} restarts; "
+                f"its log ({role.log_path}) ends with:\n{tail}"
+            )
         if role.next_start == 0.0:
             delay = RESTART_BACKOFF_S[min(role.restarts, len(RESTART_BACKOFF_S) - 1)]
             role.next_start = now + delay

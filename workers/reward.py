@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from relax_bus.bus import Bus
+from relax_bus.settings import RunConfig
 from relax_bus.worker import Delivery, Worker, WorkerOptions
 from schemas import RewardDetail, RolloutGroup, ScoredGroup, TrainGroup
 from workers.rewards import RewardSpec, Scorer, default_rewards
@@ -18,7 +19,11 @@ from workers.rewards import RewardSpec, Scorer, default_rewards
 
 def make_scorer(bus: Bus) -> Scorer:
     """The run's scorer: configured reward terms, or the task's default."""
-    cfg = bus.config
+    return make_scorer_from(bus.config)
+
+
+def make_scorer_from(cfg: RunConfig) -> Scorer:
+    """A scorer for a run config (also used to check the config before a run starts)."""
     specs = [
         RewardSpec(type=r.type, weight=r.weight, options=r.options, timeout_s=r.timeout_s) for r in cfg.rewards
     ] or default_rewards(cfg.task.type)

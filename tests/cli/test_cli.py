@@ -145,3 +145,16 @@ def test_relax_server_runs_until_sigterm(tmp_path):
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_relax_run_checks_model_task_and_rewards_before_starting(tmp_path):
+    cfg = write_config(
+        tmp_path,
+        "run: bad\nmodel: {source: /nonexistent/model}\ntask: {type: jsonl, options: {path: /nope.jsonl}}\n"
+        'rewards: [{type: python, options: {function: "nomod:fn"}}]\n',
+    )
+    result = relax("run", cfg, "--run-dir", str(tmp_path / "run"), timeout=120)
+    assert_one_line_error(
+        result, "3 problem(s)", "model.source: unknown model source", "jsonl task file", "'nomod:fn' cannot be imported"
+    )
+    assert not (tmp_path / "run" / "nats").exists(), "nothing may start when the config cannot work"

@@ -120,3 +120,14 @@ async def test_kill_9_of_the_trainer_resumes_from_its_checkpoint(nats_server, tm
         assert len(set(versions)) == len(versions)
     finally:
         await cluster.stop()
+
+
+async def test_fsdp2_trainer_on_two_ranks_under_torchrun(nats_server, tmp_path):
+    config = parse_run_config(small_config(run_id(), trainer={"steps": 4, "nproc": 2}))
+    cluster = await run(nats_server, tmp_path, config)
+    try:
+        acc = await cluster.accounting()
+        acc.check_exactly_once(config.trainer.steps, config.groups_per_step)
+        assert [int(m.values["version"]) for m in acc.metrics] == [1, 2, 3, 4]
+    finally:
+        await cluster.stop()
