@@ -71,11 +71,12 @@ async def feed(bus: Bus, stop: asyncio.Event) -> int:
             log.info("feeder_waiting", reason=str(err))
             continue
         released += n
-        cursor_rev = (
-            await bus.state.update(CURSOR_KEY, str(released).encode(), last=cursor_rev)
-            if cursor_rev
-            else (await bus.state.create(CURSOR_KEY, str(released).encode()))
-        )
+        value = str(released).encode()
+        # Compare-and-set: a second feeder of the same run (a mistake) fails here instead of double-releasing.
+        if cursor_rev:
+            cursor_rev = await bus.state.update(CURSOR_KEY, value, last=cursor_rev)
+        else:
+            cursor_rev = await bus.state.create(CURSOR_KEY, value)
         log.info("groups_released", released=released, version=version, dropped=dropped)
     log.info("feeder_done", released=released)
     return released

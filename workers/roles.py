@@ -13,6 +13,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -68,16 +69,12 @@ async def _follower(settings: ConnectionSettings, run: str, cache: Path) -> bool
     rank, _ = world()
     if rank == 0:
         return False
-    from relax_bus.provision import read_config
     from workers.models import materialize
     from workers.trainer import PolicyTrainer
 
     bus = await Bus.connect(settings, run, name="relax-actor-follower", retry_for_s=60.0)
-    try:
-        config = await read_config(bus.js, run)
-    finally:
-        await bus.close()
-    assert config is not None
+    config = bus.config  # the only thing a follower reads from the bus
+    await bus.close()
     model_dir = await asyncio.to_thread(materialize, config.model.source, cache / "base", config.model.seed)
     trainer = await asyncio.to_thread(PolicyTrainer, model_dir, config)
     await asyncio.to_thread(follow, trainer)
@@ -112,22 +109,22 @@ async def _actor(bus: Bus, stop: asyncio.Event, cache: Path) -> None:
 
 
 async def _worker_role(bus: Bus, role: str, stop: asyncio.Event, cache: Path) -> None:
-    worker: Worker[object]  # type: ignore[type-var]
+    worker: Worker[Any]
     cleanup = None
     if role == "rollout":
         from workers.rollout import rollout_worker
 
-        worker, rollout = await rollout_worker(bus, cache)  # type: ignore[assignment]
+        worker, rollout = await rollout_worker(bus, cache)
         await rollout.start()
         cleanup = rollout.stop
     elif role == "reward":
         from workers.reward import reward_worker
 
-        worker = reward_worker(bus)  # type: ignore[assignment]
+        worker = reward_worker(bus)
     else:
         from workers.reference import reference_worker
 
-        worker = await reference_worker(bus, cache)  # type: ignore[assignment]
+        worker = await reference_worker(bus, cache)
     stopper = asyncio.create_task(_stop_when(stop, worker.stop))
     try:
         await worker.run()
