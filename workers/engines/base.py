@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 ENGINES: dict[str, str] = {
     "torch": "workers.engines.torch_engine:TorchEngine",
+    "vllm": "workers.engines.vllm_engine:VllmEngine",
 }
 
 
