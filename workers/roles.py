@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from relax_bus.bus import Bus
+from relax_bus.errors import ConfigError
 from relax_bus.heartbeat import HeartbeatWriter
 from relax_bus.log import get_logger
 from relax_bus.settings import ConnectionSettings
@@ -114,7 +115,10 @@ async def _worker_role(bus: Bus, role: str, stop: asyncio.Event, cache: Path) ->
     if role == "rollout":
         from workers.rollout import rollout_worker
 
-        worker, rollout = await rollout_worker(bus, cache)
+        try:
+            worker, rollout = await rollout_worker(bus, cache)
+        except ValueError as err:  # a model or engine the config names cannot be used here
+            raise ConfigError(f"run {bus.run} (rollout)", [str(err)]) from None
         await rollout.start()
         cleanup = rollout.stop
     elif role == "reward":
