@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import huggingface_hub.constants
@@ -23,17 +22,8 @@ ODD_TEXTS = ["", "héllo wörld", "🙂👍🏽 emoji", "日本語", "\x00\x01\x
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """One intra-op thread: the tiny model gains little from two, and two crawl when the cores are busy."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return materialize("tiny", tmp_path_factory.mktemp("models") / "tiny", seed=0)
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test of this module runs with one torch thread (fixture in conftest.py)."""
 
 
 @pytest.fixture

@@ -45,17 +45,8 @@ PROMPTS = prompts_of("1+2=", "7+8=", "a much longer prompt, to vary the lengths=
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """One intra-op thread for the teacher-forced forwards, as in test_engine.py."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return materialize("tiny", tmp_path_factory.mktemp("models") / "tiny", seed=0)  # 128x2: head size 32
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test of this module runs with one torch thread (fixture in conftest.py)."""
 
 
 @pytest.fixture(scope="module")
