@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
 from collections.abc import Callable
 
 import nats.errors
@@ -18,6 +20,27 @@ from relax_bus.log import get_logger
 from schemas import WorkerHeartbeat, decode, encode
 
 log = get_logger(__name__)
+
+
+def process_heartbeat(
+    run: str,
+    role: str,
+    worker_id: str,
+    started_at: float,
+    policy_version: int | None = None,
+    counters: dict[str, int] | None = None,
+) -> WorkerHeartbeat:
+    """The heartbeat of this process (its pid and host filled in)."""
+    return WorkerHeartbeat(
+        run=run,
+        role=role,
+        worker_id=worker_id,
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        policy_version=policy_version,
+        counters=counters or {},
+        started_at=started_at,
+    )
 
 
 class HeartbeatWriter:

@@ -28,7 +28,7 @@ from relax_bus.bus import Bus
 from relax_bus.control import Drop, Retry, Skip
 from relax_bus.envelope import open_message
 from relax_bus.errors import BlobCorrupt, BlobNotFound
-from relax_bus.heartbeat import HeartbeatWriter
+from relax_bus.heartbeat import HeartbeatWriter, process_heartbeat
 from relax_bus.log import get_logger
 from relax_bus.settle import dead_letter, term
 from schemas import DeadLetter, Message, RunEvent, SchemaError, WorkerHeartbeat
@@ -129,15 +129,8 @@ class Worker(Generic[In]):
         self._stop.set()
 
     def _heartbeat(self) -> WorkerHeartbeat:
-        return WorkerHeartbeat(
-            run=self.bus.run,
-            role=self.role.name,
-            worker_id=self.worker_id,
-            pid=os.getpid(),
-            host=socket.gethostname(),
-            policy_version=self.policy_version,
-            counters=asdict(self.counters),
-            started_at=self.started_at,
+        return process_heartbeat(
+            self.bus.run, self.role.name, self.worker_id, self.started_at, self.policy_version, asdict(self.counters)
         )
 
     async def run(self, *, until_empty: bool = False, handle_signals: bool = False) -> Counters:

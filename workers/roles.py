@@ -7,9 +7,7 @@ back their in-flight messages, the actor hands back a half-collected step, and t
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +17,7 @@ import torch
 
 from relax_bus.bus import Bus
 from relax_bus.errors import ConfigError
-from relax_bus.heartbeat import HeartbeatWriter
+from relax_bus.heartbeat import HeartbeatWriter, process_heartbeat
 from relax_bus.log import get_logger
 from relax_bus.settings import ConnectionSettings
 from relax_bus.worker import Worker, WorkerOptions
@@ -149,15 +147,7 @@ async def _standalone(bus: Bus, role: str, version: Callable[[], int | None], bo
     started = time.time()
 
     def beat() -> WorkerHeartbeat:
-        return WorkerHeartbeat(
-            run=bus.run,
-            role=role,
-            worker_id=worker_id,
-            pid=os.getpid(),
-            host=socket.gethostname(),
-            policy_version=version(),
-            started_at=started,
-        )
+        return process_heartbeat(bus.run, role, worker_id, started, version())
 
     heartbeat = HeartbeatWriter(bus.workers, f"{role}.{worker_id}", beat, interval_s=bus.config.bus.heartbeat_ttl_s / 3)
     await heartbeat.beat()

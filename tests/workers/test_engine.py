@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
+from tests.workers.engine_checks import check_aligned_samples, one_direction_state, prompts_of
 from workers.engines.base import Generated, SamplingSettings, make_engine
 from workers.engines.torch_engine import TorchEngine
 from workers.logprobs import response_logprobs, token_logprobs
@@ -31,28 +32,7 @@ def engine(model_dir: Path) -> TorchEngine:
     return TorchEngine(model_dir)
 
 
-def prompts_of(*texts: str) -> list[list[int]]:
-    return [[BOS_ID, *t.encode()] for t in texts]
-
-
 PROMPTS = prompts_of("1+2=", "7+8=", "a much longer prompt, to force left padding=", "é")
-
-
-def one_direction_state(engine: TorchEngine, eos_gap: float) -> dict[str, torch.Tensor]:
-    """Weights whose logits are flat except eos, which sits `eos_gap * sqrt(hidden)` above the rest.
-
-    All layers are zero (the residual stream carries the embedding through), every embedding is e_0,
-    and eos's is (1 + eos_gap) e_0; the final RMSNorm turns either into sqrt(hidden) e_0.
-    The tied lm_head is left out: it arrives through its alias, the embedding.
-    """
-    state = {k: torch.zeros_like(v) for k, v in engine.model.named_parameters()}
-    for key in state:
-        if key.endswith("norm.weight"):
-            state[key] = torch.ones_like(state[key])
-    embed = state["model.embed_tokens.weight"]
-    embed[:, 0] = 1.0
-    embed[EOS_ID, 0] = 1.0 + eos_gap
-    return state
 
 
 def max_logprob_error(engine: TorchEngine, prompts: list[list[int]], out: list[list[Generated]], tau: float) -> float:
@@ -144,25 +124,15 @@ def test_token_logprobs_ignore_padding_side(engine: TorchEngine) -> None:
 
 def test_engine_returns_n_aligned_samples_per_prompt(engine: TorchEngine) -> None:
     out = engine.generate(PROMPTS, 3, SamplingSettings(max_new_tokens=5, seed=0))
-    assert len(out) == len(PROMPTS) and all(len(samples) == 3 for samples in out)
-    total = 0
-    for g in (g for samples in out for g in samples):
-        assert 1 <= len(g.token_ids) == len(g.logprobs) <= 5
-        assert all(lp <= 0 for lp in g.logprobs)
-        assert g.text == engine.tokenizer.decode(g.token_ids, skip_special_tokens=True)
-        stopped = g.token_ids[-1] == EOS_ID
-        assert g.finish_reason == ("stop" if stopped else "length")
-        assert stopped or len(g.token_ids) == 5
-        assert EOS_ID not in g.token_ids[:-1]
-        total += len(g.token_ids)
+    total = check_aligned_samples(out, engine.tokenizer, len(PROMPTS), 3, 5)
     assert engine.tokens_generated() == total
 
 
 def test_engine_finish_reasons_length_and_stop(engine: TorchEngine) -> None:
-    engine.load_state_dict(one_direction_state(engine, eos_gap=-2.0), version=1)  # eos all but impossible
+    engine.load_state_dict(one_direction_state(engine.model, eos_gap=-2.0), version=1)  # eos all but impossible
     out = engine.generate(PROMPTS, 2, SamplingSettings(max_new_tokens=3, seed=0))
     assert all(g.finish_reason == "length" and len(g.token_ids) == 3 for s in out for g in s)
-    engine.load_state_dict(one_direction_state(engine, eos_gap=2.0), version=2)  # eos near certain
+    engine.load_state_dict(one_direction_state(engine.model, eos_gap=2.0), version=2)  # eos near certain
     out = engine.generate(PROMPTS, 2, SamplingSettings(max_new_tokens=3, seed=0))
     for g in (g for s in out for g in s):
         assert (g.token_ids, g.text, g.finish_reason) == ([EOS_ID], "", "stop")
@@ -170,7 +140,7 @@ def test_engine_finish_reasons_length_and_stop(engine: TorchEngine) -> None:
 
 
 def test_rows_that_stop_early_keep_their_own_logprobs(engine: TorchEngine) -> None:
-    engine.load_state_dict(one_direction_state(engine, eos_gap=0.4), version=1)  # eos ~25% per step
+    engine.load_state_dict(one_direction_state(engine.model, eos_gap=0.4), version=1)  # eos ~25% per step
     out = engine.generate(PROMPTS, 8, SamplingSettings(max_new_tokens=8, seed=0))
     samples = [g for s in out for g in s]
     assert {g.finish_reason for g in samples} == {"stop", "length"}

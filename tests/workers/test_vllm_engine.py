@@ -24,20 +24,17 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
+from tests.workers.engine_checks import check_aligned_samples, one_direction_state, prompts_of
 from workers.engines.base import Generated, SamplingSettings, make_engine
 from workers.engines.vllm_engine import VllmEngine
 from workers.logprobs import response_logprobs
 from workers.models import load_model, materialize
-from workers.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
+from workers.tokenizer import EOS_ID, VOCAB_SIZE
 
 pytestmark = [pytest.mark.workers, pytest.mark.timeout(300)]
 
 REQUIRE_VLLM = os.environ.get("CI", "").lower() == "true" or os.environ.get("RELAX_REQUIRE_VLLM") == "1"
 TOLERANCE = 1e-4
-
-
-def prompts_of(*texts: str) -> list[list[int]]:
-    return [[BOS_ID, *t.encode()] for t in texts]
 
 
 # The last prompt spans more than one 128-token KV block, so the prefix cache holds a block of it.
@@ -72,18 +69,6 @@ def restore(engine: VllmEngine, reference: PreTrainedModel) -> Iterator[dict[str
     yield original
     reference.load_state_dict(original)
     engine.load_state_dict(original, version=0)
-
-
-def one_direction_state(model: PreTrainedModel, eos_gap: float) -> dict[str, torch.Tensor]:
-    """Weights whose logits are flat except eos, `eos_gap * sqrt(hidden)` above the rest (see test_engine.py)."""
-    state = {k: torch.zeros_like(v) for k, v in model.named_parameters()}
-    for key in state:
-        if key.endswith("norm.weight"):
-            state[key] = torch.ones_like(state[key])
-    embed = state["model.embed_tokens.weight"]
-    embed[:, 0] = 1.0
-    embed[EOS_ID, 0] = 1.0 + eos_gap
-    return state
 
 
 def logprob_errors(
@@ -134,17 +119,7 @@ def test_engine_returns_n_aligned_samples_per_prompt(engine: VllmEngine) -> None
     before = engine.tokens_generated()
     with ThreadPoolExecutor(1) as pool:  # called from a thread, as the rollout role does
         out = pool.submit(engine.generate, PROMPTS, 3, SamplingSettings(max_new_tokens=5, seed=0)).result()
-    assert len(out) == len(PROMPTS) and all(len(samples) == 3 for samples in out)
-    total = 0
-    for g in (g for samples in out for g in samples):
-        assert 1 <= len(g.token_ids) == len(g.logprobs) <= 5
-        assert all(lp <= 0 for lp in g.logprobs)
-        assert g.text == engine.tokenizer.decode(g.token_ids, skip_special_tokens=True)
-        stopped = g.token_ids[-1] == EOS_ID
-        assert g.finish_reason == ("stop" if stopped else "length")
-        assert stopped or len(g.token_ids) == 5
-        assert EOS_ID not in g.token_ids[:-1]
-        total += len(g.token_ids)
+    total = check_aligned_samples(out, engine.tokenizer, len(PROMPTS), 3, 5)
     assert engine.tokens_generated() - before == total
     assert engine.generate([], 3, SamplingSettings()) == []
     with pytest.raises(ValueError, match="n must be"):
