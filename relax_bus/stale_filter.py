@@ -17,10 +17,11 @@ from relax_bus.bus import Bus
 from relax_bus.control import Drop, Skip
 from relax_bus.errors import VersionConflict
 from relax_bus.staleness import Decision, Verdict, decide
+from relax_bus.state_keys import GROUPS_DROPPED
 from relax_bus.worker import Delivery, Handler, HandlerResult
 from schemas import RunEvent, TrainGroup
 
-DROPPED_KEY = "groups.dropped"
+DROPPED_KEY = GROUPS_DROPPED
 
 
 async def read_counter(kv: KeyValue, key: str) -> tuple[int, int]:
@@ -56,7 +57,9 @@ async def judge(bus: Bus, group: TrainGroup, version: int) -> Decision:
     """Apply the run's staleness rule to a group at trainer version `version`, with its side effects.
 
     A requeued group's prompt is republished as the next attempt (and a `group_requeued` event
-    recorded); a dropped group raises the run's dropped counter, which returns its credit to the feeder.
+    recorded). Counting a drop is the caller's part: the middleware below adds to the run's counter,
+    the actor keeps the count in its checkpointed state so that a drop replayed after a restart is
+    not counted twice.
     """
     rule = bus.config.staleness
     prompt = group.scored.rollout.prompt
@@ -71,8 +74,6 @@ async def judge(bus: Bus, group: TrainGroup, version: int) -> Decision:
             fields={"group_id": prompt.group_id, "lag": d.lag, "reason": d.reason},
         )
         await bus.publish("events", event)
-    elif d.verdict is Verdict.DROP:
-        await add_to_counter(bus.state, DROPPED_KEY, 1)
     return d
 
 
@@ -86,6 +87,7 @@ def stale_filter(bus: Bus, trainer_version: Callable[[], int]) -> Callable[[Hand
                 return await handler(group, delivery)
             if d.verdict is Verdict.REQUEUE:
                 raise Skip()
+            await add_to_counter(bus.state, DROPPED_KEY, 1)  # returns the group's credit to the feeder
             raise Drop(d.reason)
 
         return filtered

@@ -16,10 +16,11 @@ from nats.js.kv import KeyValue
 
 from relax_bus.errors import VersionConflict
 from relax_bus.log import get_logger
+from relax_bus.state_keys import POLICY_VERSION
 
 log = get_logger(__name__)
 
-KEY = "policy.version"
+KEY = POLICY_VERSION
 
 
 class PolicyVersion:

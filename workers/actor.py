@@ -29,8 +29,9 @@ from relax_bus.envelope import open_message
 from relax_bus.errors import BlobCorrupt, BlobNotFound
 from relax_bus.log import get_logger
 from relax_bus.settle import dead_letter, term
-from relax_bus.stale_filter import DROPPED_KEY, judge, read_counter
+from relax_bus.stale_filter import DROPPED_KEY, judge
 from relax_bus.staleness import Verdict
+from relax_bus.state_keys import TRAINER_CHECKPOINT, TRAINER_DONE, TRAINER_STEP
 from schemas import Metric, RunEvent, SchemaError, TrainGroup
 from workers.distributed import DrivenTrainer
 from workers.trainer import PolicyTrainer
@@ -38,9 +39,9 @@ from workers.weights import WeightTransport
 
 log = get_logger(__name__)
 
-CHECKPOINT_KEY = "trainer.checkpoint"
-STEP_KEY = "trainer.step"
-DONE_KEY = "trainer.done"
+CHECKPOINT_KEY = TRAINER_CHECKPOINT
+STEP_KEY = TRAINER_STEP
+DONE_KEY = TRAINER_DONE
 
 
 @dataclass
@@ -64,6 +65,8 @@ class ActorState:
     """group id -> stream seq of the message it was trained from (only seqs above `floor`)."""
     settled: dict[str, int] = field(default_factory=dict)
     """`group_id/attempt` -> stream seq, for groups dropped or requeued (only seqs above `floor`)."""
+    dropped: int = 0
+    """Groups dropped as stale in this history; written whole to `groups.dropped` (the feeder's credit)."""
 
 
 class Actor:
@@ -80,7 +83,6 @@ class Actor:
         self.durable = bus.topology.consumer("train").durable
         self.started = time.time()
         self.requeued = 0
-        self.dropped_here = 0
 
     # ---- setup -------------------------------------------------------------------------------------------
 
@@ -95,6 +97,8 @@ class Actor:
             # Versions published after that checkpoint stay taken: the next update gets a new number.
             self.state.version = max(self.state.version, current)
             await self.bus.js.reset_consumer(self.stream, self.durable, seq=self.state.floor + 1)
+            # Drops after the checkpoint are judged again (and counted again) as the consumer replays them.
+            await self._put_dropped()
             log.info("actor_resumed", step=self.state.step, version=self.state.version, floor=self.state.floor)
             return
         if self.revision:
@@ -178,7 +182,8 @@ class Actor:
             self.requeued += 1
             await msg.ack()
         else:
-            self.dropped_here += 1
+            self.state.dropped += 1
+            await self._put_dropped()
             await term(self.bus, msg, decision.reason)
             await self._event("group_dropped", group_id=group.group_id, lag=decision.lag, reason=decision.reason)
         return None
@@ -223,14 +228,13 @@ class Actor:
         calls = {(r.worker_id, r.timings.generate_s) for r in rollouts}  # groups of one engine call share it
         gen_s = sum(seconds for _, seconds in calls)
         tokens = sum(s.token_ids.numel for r in rollouts for s in r.samples)
-        dropped, _ = await read_counter(self.bus.state, DROPPED_KEY)
         values = {
             **metrics,
             "step": float(self.state.step),
             "version": float(self.state.version),
             "wall_s": time.time() - self.started,
             "weight_sync_s": weight_sync_s,
-            "dropped": float(dropped),
+            "dropped": float(self.state.dropped),
             "requeued": float(self.requeued),
             "lag_mean": sum(k * v for k, v in lags.items()) / max(1, len(held)),
             "lag_max": float(max(lags)),
@@ -269,6 +273,9 @@ class Actor:
         if old is not None and old["object"] != name:
             await self.bus.weights.delete(old["object"])
         log.info("checkpoint_saved", **record)
+
+    async def _put_dropped(self) -> None:
+        await self.bus.state.put(DROPPED_KEY, str(self.state.dropped).encode())
 
     async def _event(self, event: str, **fields: Any) -> None:
         await self.bus.publish("events", RunEvent(run=self.bus.run, event=event, source="actor", fields=fields))

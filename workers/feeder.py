@@ -1,9 +1,11 @@
 """The feeder role: releases prompt groups under the staleness credit rule.
 
 It may have released at most `(v + max_staleness + 1) * groups_per_step + dropped` groups
-(`relax_bus.staleness.release_budget`), and stops once the run's steps are covered. Its cursor (groups
-released so far) lives in KV, so a restarted feeder continues where it stopped; a group republished
-after a crash carries the same `Nats-Msg-Id` and is deduplicated by the server.
+(`relax_bus.staleness.release_budget`), and never more than `steps * groups_per_step + dropped`. It
+stays until the trainer marks the run done: a group dropped late (after a trainer restart, say) must
+still be replaced. Its cursor (groups released so far) lives in KV, so a restarted feeder continues
+where it stopped; a group republished after a crash carries the same `Nats-Msg-Id` and is
+deduplicated by the server.
 """
 
 from __future__ import annotations
@@ -13,14 +15,15 @@ import asyncio
 from relax_bus.bus import Bus
 from relax_bus.errors import PublishFailed
 from relax_bus.log import get_logger
-from relax_bus.stale_filter import DROPPED_KEY, read_counter
+from relax_bus.stale_filter import read_counter
 from relax_bus.staleness import releasable
+from relax_bus.state_keys import FEEDER_CURSOR, GROUPS_DROPPED, TRAINER_DONE
 from schemas import PromptGroup
 from workers.tasks import TaskItem, load_task
 
 log = get_logger(__name__)
 
-CURSOR_KEY = "feeder.cursor"
+CURSOR_KEY = FEEDER_CURSOR
 POLL_S = 0.2
 
 
@@ -43,7 +46,7 @@ def group_for(bus: Bus, items: list[TaskItem], release_index: int, version: int)
 
 
 async def feed(bus: Bus, stop: asyncio.Event) -> int:
-    """Release groups until the run's steps are covered (or `stop`); return the number released."""
+    """Release groups until the trainer is done (or `stop`); return the number released."""
     cfg = bus.config
     items = load_task({"type": cfg.task.type, **cfg.task.options})
     if not items:
@@ -51,14 +54,18 @@ async def feed(bus: Bus, stop: asyncio.Event) -> int:
     released, cursor_rev = await read_counter(bus.state, CURSOR_KEY)
     target = cfg.trainer.steps * cfg.groups_per_step
     log.info("feeder_started", items=len(items), released=released, target=target)
+    covered = False
     while not stop.is_set():
-        version, _ = await bus.version.get()
-        dropped, _ = await read_counter(bus.state, DROPPED_KEY)
-        need = target + dropped - released
-        if need <= 0:
+        if (await read_counter(bus.state, TRAINER_DONE))[1]:
             break
+        version, _ = await bus.version.get()
+        dropped, _ = await read_counter(bus.state, GROUPS_DROPPED)
+        need = target + dropped - released
+        if need <= 0 and not covered:
+            log.info("feeder_covered", released=released, dropped=dropped)
+        covered = need <= 0
         allowed = releasable(released, version, cfg.staleness.max_staleness, cfg.groups_per_step, dropped)
-        n = min(need, cfg.groups_per_step if allowed is None else allowed, cfg.groups_per_step)
+        n = max(0, min(need, cfg.groups_per_step if allowed is None else allowed, cfg.groups_per_step))
         if n == 0:
             await _sleep(stop, POLL_S)
             continue

@@ -1,0 +1,16 @@
+"""Keys of a run's state KV bucket, in one place: every role reads some of them.
+
+policy.version       updates published by the trainer (compare-and-set, only forward)
+feeder.cursor        prompt groups released so far
+groups.dropped       groups the trainer dropped as stale (returns credit to the feeder)
+trainer.step         optimizer steps done
+trainer.checkpoint   JSON record of the latest checkpoint
+trainer.done         set once the run's last step is trained
+"""
+
+POLICY_VERSION = "policy.version"
+FEEDER_CURSOR = "feeder.cursor"
+GROUPS_DROPPED = "groups.dropped"
+TRAINER_STEP = "trainer.step"
+TRAINER_CHECKPOINT = "trainer.checkpoint"
+TRAINER_DONE = "trainer.done"

@@ -1,0 +1,75 @@
+"""The feeder against a real server: the credit rule, late drops replaced, done only when the trainer is."""
+
+import asyncio
+import time
+
+import pytest
+
+from relax_bus.stale_filter import read_counter
+from relax_bus.state_keys import FEEDER_CURSOR, GROUPS_DROPPED, TRAINER_DONE
+from schemas import PromptGroup
+from tests.bus.test_publish import read_all
+from workers.feeder import feed
+
+pytestmark = pytest.mark.bus
+
+
+async def wait_cursor(bus, value: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (await read_counter(bus.state, FEEDER_CURSOR))[0] != value:
+        assert time.monotonic() < deadline, f"cursor {(await read_counter(bus.state, FEEDER_CURSOR))[0]} != {value}"
+        await asyncio.sleep(0.05)
+
+
+async def test_feeder_follows_the_credit_rule_and_replaces_late_drops(make_bus):
+    bus = await make_bus(
+        groups_per_step=2,
+        staleness={"max_staleness": 0},
+        task={"type": "addition", "options": {"seed": 3}},
+        trainer={"steps": 3},
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(feed(bus, stop))
+    try:
+        await wait_cursor(bus, 2)  # on-policy: one step's groups at version 0
+        await asyncio.sleep(0.6)
+        assert (await read_counter(bus.state, FEEDER_CURSOR))[0] == 2
+        revision = await bus.version.advance(1, 0)
+        await wait_cursor(bus, 4)
+        revision = await bus.version.advance(2, revision)
+        await wait_cursor(bus, 6)  # every step covered; the feeder stays for late drops
+        await asyncio.sleep(0.6)
+        assert not task.done()
+        await bus.state.put(GROUPS_DROPPED, b"1")
+        await wait_cursor(bus, 7)
+        await bus.state.put(TRAINER_DONE, b"3")
+        assert await asyncio.wait_for(task, 10) == 7
+    finally:
+        stop.set()
+        if not task.done():
+            task.cancel()
+    prompts = [m for m in await read_all(bus, "prompts") if isinstance(m, PromptGroup)]
+    assert [p.release_index for p in prompts] == list(range(7))
+    assert [p.released_at_version for p in prompts] == [0, 0, 1, 1, 2, 2, 2]
+    assert len({p.group_id for p in prompts}) == 7
+
+
+async def test_feeder_stops_on_request_and_resumes_from_its_cursor(make_bus):
+    bus = await make_bus(
+        groups_per_step=2,
+        staleness={"max_staleness": "unbounded"},
+        task={"type": "addition", "options": {"seed": 3}},
+        trainer={"steps": 2},
+    )
+    stop = asyncio.Event()
+    first = asyncio.create_task(feed(bus, stop))
+    await wait_cursor(bus, 4)
+    stop.set()
+    assert await asyncio.wait_for(first, 10) == 4
+    await bus.state.put(GROUPS_DROPPED, b"2")
+    again = asyncio.create_task(feed(bus, asyncio.Event()))
+    await wait_cursor(bus, 6)
+    await bus.state.put(TRAINER_DONE, b"2")
+    assert await asyncio.wait_for(again, 10) == 6
+    prompts = [m for m in await read_all(bus, "prompts") if isinstance(m, PromptGroup)]
+    assert [p.release_index for p in prompts] == list(range(6))
