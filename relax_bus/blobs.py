@@ -4,7 +4,8 @@ Objects are written in the standard object-store layout (chunks on `$O.<bucket>.
 info record on `$O.<bucket>.M.<name>`), so `nats object ls/get` from the NATS CLI reads them too.
 Both directions are our own: the stock nats-py `get` concatenates bytes quadratically (~7 MiB/s at
 64 MiB) and the stock `put` waits for every chunk's ack in turn. Here chunks are published with a
-window of outstanding acks and read back through one ordered consumer into a preallocated buffer.
+window of outstanding acks and read back through one ordered consumer, hashed as they arrive; a
+reader that can view the bytes in place (the weights transport) gets them in one preallocated buffer.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import asyncio
 import base64
 import hashlib
 import json
-from collections.abc import Iterable
+import mmap
+from collections.abc import AsyncIterator, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
 import nats.errors
@@ -27,11 +30,12 @@ from nats.js.object_store import (
     OBJ_STREAM_TEMPLATE,
 )
 
-from relax_bus.errors import BlobCorrupt, BlobNotFound, PublishFailed
+from relax_bus.errors import AcksLost, BlobCorrupt, BlobNotFound
 
 MAX_CHUNK = 1 << 20
 WINDOW = 16
 ACK_TIMEOUT_S = 10.0
+_HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blob-sha256")  # one thread: chunks hash in order
 
 
 def digest_of(data: bytes | memoryview) -> str:
@@ -131,34 +135,71 @@ class BlobStore:
 
     async def get(self, name: str, timeout_s: float = 30.0) -> bytes:
         """Fetch an object whole, verifying its digest."""
+        return b"".join([chunk async for chunk in self._chunks(name, timeout_s)])
+
+    async def get_buffer(self, name: str, timeout_s: float = 30.0) -> memoryview:
+        """Fetch an object into one writable buffer, verifying its digest (for readers that view it in place).
+
+        The buffer is anonymous memory (`mmap`): its pages are zeroed lazily by the kernel and touched
+        once, by the copy of each chunk, instead of twice as a zero-filled bytearray would be.
+        """
+        info = await self._info_or_missing(name)
+        buf = memoryview(mmap.mmap(-1, info.size) if info.size else bytearray())
+        offset = 0
+        async for chunk in self._chunks(name, timeout_s, info):
+            buf[offset : offset + len(chunk)] = chunk  # _chunks never yields past the recorded size
+            offset += len(chunk)
+        return buf
+
+    async def _info_or_missing(self, name: str) -> api.ObjectInfo:
         info = await self.info(name)
         if info is None:
             raise BlobNotFound(f"no object {name!r} in store {self.bucket}")
+        return info
+
+    async def _chunks(self, name: str, timeout_s: float, info: api.ObjectInfo | None = None) -> AsyncIterator[bytes]:
+        """The object's chunks in order; the digest is computed as they arrive and checked after the last.
+
+        Hashing runs in a helper thread (sha256 releases the GIL), in chunk order, while this task
+        keeps receiving: on a large object it costs as much CPU as receiving does.
+        """
+        info = info or await self._info_or_missing(name)
         size, chunks = info.size or 0, info.chunks or 0
-        parts: list[bytes] = []
+        sha = hashlib.sha256()
+        hashed: list[asyncio.Future[None]] = []
+        loop = asyncio.get_running_loop()
         offset = 0
         if chunks:
             subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=info.nuid)
+            # Naming the stream saves a stream lookup (and the permission to list streams).
             sub = await self.js.subscribe(
-                subject, ordered_consumer=True, pending_bytes_limit=512 << 20, pending_msgs_limit=1 << 20
+                subject,
+                stream=self.stream,
+                ordered_consumer=True,
+                pending_bytes_limit=512 << 20,
+                pending_msgs_limit=1 << 20,
             )
             try:
                 for _ in range(chunks):
-                    msg = await sub.next_msg(timeout=timeout_s)
-                    parts.append(msg.data)
+                    try:
+                        msg = await sub.next_msg(timeout=timeout_s)
+                    except nats.errors.TimeoutError:
+                        where = f"object {name!r} in {self.bucket}"
+                        raise BlobNotFound(f"{where}: chunks missing after {offset} bytes") from None
                     offset += len(msg.data)
-            except nats.errors.TimeoutError:
-                raise BlobNotFound(f"object {name!r} in {self.bucket}: chunks missing after {offset} bytes") from None
+                    if offset > size:
+                        raise BlobCorrupt(f"object {name!r} in {self.bucket}: more than the {size} bytes recorded")
+                    hashed.append(loop.run_in_executor(_HASHER, sha.update, msg.data))
+                    yield msg.data
             finally:
                 await sub.unsubscribe()
-            if offset != size:
-                raise BlobCorrupt(f"object {name!r} in {self.bucket}: got {offset} bytes, expected {size}")
-        data = b"".join(parts)
+                await asyncio.gather(*hashed, return_exceptions=True)
+        if offset != size:
+            raise BlobCorrupt(f"object {name!r} in {self.bucket}: got {offset} bytes, expected {size}")
         want = (info.digest or "").removeprefix(OBJ_DIGEST_TYPE)
-        got = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
+        got = base64.urlsafe_b64encode(sha.digest()).decode()
         if want and want.rstrip("=") != got.rstrip("="):
             raise BlobCorrupt(f"object {name!r} in {self.bucket}: digest mismatch")
-        return data
 
     async def get_content(self, digest: str) -> bytes:
         """Fetch a content-addressed blob by its `sha256:<hex>` digest."""
@@ -193,7 +234,7 @@ class BlobStore:
             # publish_async futures never resolve if the server rejects the publish: bound the wait.
             await asyncio.wait_for(asyncio.gather(*futs), timeout=ACK_TIMEOUT_S)
         except TimeoutError:
-            raise PublishFailed(f"object store {self.bucket}: chunk acks not received in {ACK_TIMEOUT_S:g}s") from None
+            raise AcksLost(f"object store {self.bucket}: chunk acks not received in {ACK_TIMEOUT_S:g}s") from None
 
     async def _purge(self, subject: str) -> None:
         try:

@@ -8,10 +8,12 @@ import time
 from collections.abc import Awaitable, Callable
 
 import nats
+from nats.aio.client import DEFAULT_INBOX_PREFIX
 from nats.aio.client import Client as NATS
 
 from relax_bus.errors import NatsUnreachable
 from relax_bus.log import get_logger
+from relax_bus.outage import note_denied
 from relax_bus.settings import ConnectionSettings
 
 log = get_logger(__name__)
@@ -53,6 +55,8 @@ async def connect(
             return
         # nats-py reports permission violations and socket errors only here: always log them.
         log.warning("nats_error", error=text)
+        if "permissions violation" in text.lower():
+            note_denied(text)
 
     async def disconnected_cb() -> None:
         if holder and (holder[0].is_closed or holder[0].is_draining):
@@ -64,14 +68,17 @@ async def connect(
         if on_reconnect is not None:
             await on_reconnect()
 
+    connect_timeout = max(1, round(settings.connect_timeout_s))
+    # nats-py can hang closing a socket whose TLS handshake failed: bound each attempt (two per server).
+    attempt_s = 2 * len(settings.nats_url) * (connect_timeout + 1)
     deadline = time.monotonic() + retry_for_s
     delay = 0.2
     while True:
         try:
-            nc = await nats.connect(
+            connecting = nats.connect(
                 servers=list(settings.nats_url),
                 name=name,
-                connect_timeout=max(1, round(settings.connect_timeout_s)),
+                connect_timeout=connect_timeout,
                 allow_reconnect=True,
                 max_reconnect_attempts=1,
                 reconnect_time_wait=0.1,
@@ -83,13 +90,18 @@ async def connect(
                 token=settings.token,
                 user_credentials=str(settings.creds_file) if settings.creds_file else None,
                 tls=tls,
+                # Per-user reply subjects (relax_bus.auth); nats-py's _INBOX otherwise.
+                inbox_prefix=settings.inbox_prefix or DEFAULT_INBOX_PREFIX,
             )
+            nc = await asyncio.wait_for(connecting, attempt_s)
         except Exception as err:  # nats-py raises many types on a failed first connect
             if time.monotonic() + delay < deadline:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
                 continue
-            reason = first_errors[-1] if first_errors else f"{type(err).__name__}: {err}"
+            # A refused login or certificate is the reason, not the reset or timeout that follows it.
+            refused = [e for e in first_errors if "authorization violation" in e.lower() or "certificate" in e.lower()]
+            reason = (refused or first_errors or [f"{type(err).__name__}: {err}"])[-1]
             raise NatsUnreachable(f"cannot reach NATS at {urls} ({reason})") from None
         holder.append(nc)
         # Connected: from now on reconnect without limit, slowly.

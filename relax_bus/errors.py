@@ -19,6 +19,14 @@ class NatsUnreachable(RelaxBusError):
     """Raised when no NATS server answers at the configured URL(s)."""
 
 
+class NatsUnavailable(RelaxBusError):
+    """Raised when NATS stays away (restart, election) longer than a role is willing to wait."""
+
+
+class PermissionDenied(RelaxBusError):
+    """Raised when the server refused an operation for lack of permission (see `relax auth`)."""
+
+
 class NatsServerNotFound(RelaxBusError):
     """Raised when the nats-server binary cannot be located."""
 
@@ -43,6 +51,10 @@ class PublishFailed(RelaxBusError):
     """Raised when a publish got no acknowledgement within its deadline, retries included."""
 
 
+class AcksLost(PublishFailed):
+    """Raised when the server did not confirm pipelined publishes in time (it may be restarting)."""
+
+
 class StreamFull(PublishFailed):
     """Raised when a bounded stream (discard=new) stayed full for the whole publish deadline."""
 
@@ -57,3 +69,7 @@ class BlobCorrupt(RelaxBusError):
 
 class VersionConflict(RelaxBusError):
     """Raised when a compare-and-set of the policy version finds another writer got there first."""
+
+
+class CredentialsExist(RelaxBusError):
+    """Raised when `relax auth` would overwrite credentials written before (without --force)."""

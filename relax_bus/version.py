@@ -8,14 +8,16 @@ second (zombie) trainer cannot move the version under a live one.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import nats.errors
 import nats.js.errors
 from nats.js.kv import KeyValue
 
-from relax_bus.errors import VersionConflict
+from relax_bus.errors import NatsUnavailable, VersionConflict
 from relax_bus.log import get_logger
+from relax_bus.outage import OUTAGE_S, TRANSIENT, is_transient, raise_if_denied, through_outage
 from relax_bus.state_keys import POLICY_VERSION
 
 log = get_logger(__name__)
@@ -41,8 +43,10 @@ class PolicyVersion:
         """Set the version if the key is still at `expected_revision` (0: never written); return the new revision.
 
         Raises VersionConflict if another writer moved it, or if `version` would not move it forward.
+        Rides through a NATS outage: when the answer to the write is lost, the key is read back, and a
+        write that landed is recognised by its value instead of being mistaken for another writer's.
         """
-        current, revision = await self.get()
+        current, revision = await through_outage(self.get, "read policy version")
         if revision != expected_revision:
             raise VersionConflict(
                 f"policy version was changed by another writer (revision {revision}, expected {expected_revision})"
@@ -50,16 +54,32 @@ class PolicyVersion:
         if version <= current and revision != 0:
             raise VersionConflict(f"policy version may only grow: {current} -> {version} refused")
         value = str(version).encode()
-        try:
-            if expected_revision == 0:
-                return int(await self.kv.create(KEY, value))
-            return int(await self.kv.update(KEY, value, last=expected_revision))
-        except nats.js.errors.KeyWrongLastSequenceError:
-            raise VersionConflict(f"policy version was changed by another writer while setting {version}") from None
-        except nats.js.errors.APIError as err:
-            if err.err_code == 10071:  # wrong last sequence (create on an existing key)
-                raise VersionConflict(f"policy version was set by another writer while setting {version}") from None
-            raise
+        started = time.monotonic()
+        deadline = started + OUTAGE_S
+        while True:
+            try:
+                if expected_revision == 0:
+                    return int(await self.kv.create(KEY, value))
+                return int(await self.kv.update(KEY, value, last=expected_revision))
+            except nats.js.errors.KeyWrongLastSequenceError:
+                raise VersionConflict(f"policy version was changed by another writer while setting {version}") from None
+            except nats.js.errors.APIError as err:
+                if err.err_code == 10071:  # wrong last sequence (create on an existing key)
+                    raise VersionConflict(f"policy version was set by another writer while setting {version}") from None
+                if not is_transient(err):
+                    raise
+            except TRANSIENT as err:
+                raise_if_denied(started, f"setting policy version {version}")
+                if time.monotonic() > deadline:
+                    raise NatsUnavailable(f"setting policy version {version}: NATS unavailable ({err!r})") from None
+            # The write may or may not have landed: read back before trying again.
+            log.info("version_write_unconfirmed", version=version)
+            await asyncio.sleep(0.2)
+            current, revision = await through_outage(self.get, "read policy version")
+            if revision != expected_revision:
+                if current == version:
+                    return revision  # our write landed; only its answer was lost
+                raise VersionConflict(f"policy version was changed by another writer while setting {version}")
 
     async def watch(self, poll_s: float = 2.0) -> AsyncIterator[int]:
         """Yield each new version, in increasing order, for as long as the caller iterates.
@@ -77,15 +97,21 @@ class PolicyVersion:
                         entry = await watcher.updates(timeout=poll_s)  # type: ignore[no-untyped-call]
                     except (nats.errors.TimeoutError, TimeoutError):
                         entry = None
+                    missed = False
                     if entry is not None and entry.value:
                         value = int(entry.value)
                     else:
                         value, revision = await self.get()
                         if revision == 0:
                             continue  # nothing published yet
+                        # An update the push watcher never delivered: it went deaf (a server restart).
+                        missed = value > last >= 0
                     if value > last:
                         last = value
                         yield value
+                    if missed:
+                        log.info("version_watch_rebuild", error="missed an update")
+                        break
             except (nats.errors.Error, OSError) as err:
                 # Tolerated: the connection is down or the watcher's consumer is gone; rebuild it.
                 log.info("version_watch_rebuild", error=type(err).__name__)
@@ -120,9 +146,24 @@ class VersionTracker:
 
     async def _follow(self) -> None:
         async for value in self.version.watch(poll_s=self.poll_s):
-            if value > self.value:
-                self.value = value
-                self.changed.set()
+            self._observe(value)
+
+    def _observe(self, value: int) -> None:
+        if value > self.value:
+            self.value = value
+            self.changed.set()
+
+    async def refresh(self, timeout_s: float = 2.0) -> int:
+        """Read the version now (a watcher can lag a reconnect); keep the watched value if NATS is away."""
+        try:
+            value, revision = await asyncio.wait_for(self.version.get(), timeout_s)
+        except Exception as err:
+            if not is_transient(err):
+                raise
+            return self.value  # tolerated: the watcher (or the next refresh) catches up
+        if revision:
+            self._observe(value)
+        return self.value
 
     async def wait_for(self, minimum: int) -> int:
         """Wait until the version is at least `minimum`; return it."""

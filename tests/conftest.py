@@ -20,6 +20,7 @@ from relax_bus.errors import NatsServerNotFound
 from relax_bus.provision import provision
 from relax_bus.server import EmbeddedServer
 from relax_bus.settings import ConnectionSettings, RunConfig, parse_run_config
+from tests.nats_cluster import NatsCluster
 
 log.configure("info", json=False)
 
@@ -29,8 +30,22 @@ REQUIRE_NATS = os.environ.get("CI", "").lower() == "true" or os.environ.get("REL
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if not any(item.get_closest_marker(m) for m in ("unit", "bus", "cli", "workers", "e2e")):
+        if not any(item.get_closest_marker(m) for m in ("unit", "bus", "cli", "workers", "e2e", "chaos", "compose")):
             item.add_marker(pytest.mark.unit)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Print the accounting tables of the chaos runs, when any ran."""
+    from tests.chaos.report import REPORTS, SOAK_TABLES, render
+
+    if REPORTS:
+        terminalreporter.section("chaos accounting")
+        for line in render(REPORTS):
+            terminalreporter.write_line(line)
+    for table in SOAK_TABLES:
+        terminalreporter.section("soak")
+        for line in table:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture
@@ -47,6 +62,22 @@ def nats_server(tmp_path: Any) -> Iterator[EmbeddedServer]:
         yield server
     finally:
         server.cleanup()
+
+
+@pytest.fixture
+def nats_cluster(tmp_path: Any) -> Iterator[NatsCluster]:
+    """Three nats-servers forming one JetStream cluster on loopback ports, each with its own store."""
+    try:
+        cluster = NatsCluster(tmp_path / "nats-cluster")
+    except NatsServerNotFound as err:
+        if REQUIRE_NATS:
+            pytest.fail(f"nats-server is required here but missing: {err}")
+        pytest.skip(str(err))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.cleanup()
 
 
 @pytest.fixture

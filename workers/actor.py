@@ -6,15 +6,17 @@ the weights of version v+1, compare-and-set `policy.version`, then ack the step'
 matters: a crash before the ack leaves the groups unacked, so they come back.
 
 Checkpoints (every `trainer.checkpoint_every` steps, and at step 0) go to the weights object store
-with a record in KV: model, optimizer, step, version, the train consumer's ack floor and the ids
-settled above it. A restarted actor loads the latest, rewinds the consumer to the floor and skips
-the ids it already settled, so every group is trained exactly once in effect.
+with a record in KV: model, optimizer, step, version, the train consumer's ack floor and the ledger
+of settled groups (`workers.ledger`). A restarted actor loads the latest, rewinds the consumer to the
+floor and skips every group its ledger holds; so do copies of a group published again after a
+crash, wherever they land in the stream: every group is trained exactly once in effect.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import json
 import time
 from dataclasses import dataclass, field
@@ -26,14 +28,16 @@ from nats.aio.msg import Msg
 
 from relax_bus.bus import Bus
 from relax_bus.envelope import open_message
-from relax_bus.errors import BlobCorrupt, BlobNotFound
+from relax_bus.errors import BlobCorrupt, BlobNotFound, NatsUnavailable
 from relax_bus.log import get_logger
+from relax_bus.outage import TRANSIENT_FETCH, through_outage
 from relax_bus.settle import dead_letter, term
 from relax_bus.stale_filter import DROPPED_KEY, judge
 from relax_bus.staleness import Verdict
 from relax_bus.state_keys import TRAINER_CHECKPOINT, TRAINER_DONE, TRAINER_STEP
 from schemas import Metric, RunEvent, SchemaError, TrainGroup
 from workers.distributed import DrivenTrainer
+from workers.ledger import RangeSet
 from workers.trainer import PolicyTrainer
 from workers.weights import WeightTransport
 
@@ -42,6 +46,9 @@ log = get_logger(__name__)
 CHECKPOINT_KEY = TRAINER_CHECKPOINT
 STEP_KEY = TRAINER_STEP
 DONE_KEY = TRAINER_DONE
+CHECKPOINT_PREFIX = "ckpt-"
+ACK_OUTAGE_S = 15.0
+"""How long an ack of a trained group is retried; past that, the dedupe of trained groups covers it."""
 
 
 @dataclass
@@ -60,13 +67,46 @@ class ActorState:
     step: int = 0
     version: int = 0
     floor: int = 0
-    """Train-stream sequence at or below which every message is settled."""
-    trained: dict[str, int] = field(default_factory=dict)
-    """group id -> stream seq of the message it was trained from (only seqs above `floor`)."""
-    settled: dict[str, int] = field(default_factory=dict)
-    """`group_id/attempt` -> stream seq, for groups dropped or requeued (only seqs above `floor`)."""
+    """Train-stream sequence at or below which every message is settled (where a restart rewinds to)."""
+    trained: RangeSet = field(default_factory=RangeSet)
+    """Release indices of every group trained (see `workers.ledger`: copies can arrive at any sequence)."""
+    settled: set[str] = field(default_factory=set)
+    """`group_id/attempt` of every group dropped or requeued."""
     dropped: int = 0
     """Groups dropped as stale in this history; written whole to `groups.dropped` (the feeder's credit)."""
+
+    def to_extra(self) -> dict[str, Any]:
+        """Plain values for the checkpoint."""
+        return {**vars(self), "trained": self.trained.ranges(), "settled": sorted(self.settled)}
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> ActorState:
+        return cls(
+            step=int(extra["step"]),
+            version=int(extra["version"]),
+            floor=int(extra["floor"]),
+            trained=RangeSet.from_ranges(extra.get("trained", [])),
+            settled=set(extra.get("settled", [])),
+            dropped=int(extra.get("dropped", 0)),
+        )
+
+
+def checkpoint_step(name: str) -> int | None:
+    """The step of a checkpoint object's name (`ckpt-<step>`); None for any other object."""
+    tail = name.removeprefix(CHECKPOINT_PREFIX)
+    return int(tail) if tail != name and tail.isdigit() else None
+
+
+def _retain(names: list[Any], trainer: Any) -> tuple[list[str], list[str]]:
+    """Split checkpoint names into (kept, pruned): step 0's and the newest `trainer.keep_checkpoints` stay."""
+    by_step = {checkpoint_step(n): n for n in names if isinstance(n, str) and checkpoint_step(n) is not None}
+    steps = sorted(s for s in by_step if s)
+    kept = [by_step[s] for s in ([0] if 0 in by_step else []) + steps[-trainer.keep_checkpoints :]]
+    return kept, [by_step[s] for s in steps[: -trainer.keep_checkpoints]]
+
+
+def _holds(held: list[Held], release_index: int) -> bool:
+    return any(h.group.scored.rollout.prompt.release_index == release_index for h in held)
 
 
 class Actor:
@@ -83,20 +123,26 @@ class Actor:
         self.durable = bus.topology.consumer("train").durable
         self.started = time.time()
         self.requeued = 0
+        self.timings: collections.Counter[str] = collections.Counter()
+        """Seconds the current step spent per phase (data wait, admitting, acks); reset with every Metric."""
+        self.period_start: float | None = None  # perf_counter when the current step's period began
 
     # ---- setup -------------------------------------------------------------------------------------------
 
     async def setup(self, warmup_items: list[Any]) -> None:
         """Resume from the latest checkpoint, or warm up and publish version 0."""
         record = await self._checkpoint_record()
-        current, self.revision = await self.bus.version.get()
+        current, self.revision = await through_outage(self.bus.version.get, "read policy version")
         if record is not None:
-            data = await self.bus.weights.get(record["object"])
+            data = await through_outage(lambda: self.bus.weights.get(record["object"]), "read checkpoint")
             extra = await asyncio.to_thread(self.trainer.restore, data)
-            self.state = ActorState(**extra)
+            self.state = ActorState.from_extra(extra)
             # Versions published after that checkpoint stay taken: the next update gets a new number.
             self.state.version = max(self.state.version, current)
-            await self.bus.js.reset_consumer(self.stream, self.durable, seq=self.state.floor + 1)
+            await through_outage(
+                lambda: self.bus.js.reset_consumer(self.stream, self.durable, seq=self.state.floor + 1),
+                "rewind the train consumer",
+            )
             # Drops after the checkpoint are judged again (and counted again) as the consumer replays them.
             await self._put_dropped()
             log.info("actor_resumed", step=self.state.step, version=self.state.version, floor=self.state.floor)
@@ -116,7 +162,7 @@ class Actor:
 
     async def _checkpoint_record(self) -> dict[str, Any] | None:
         try:
-            entry = await self.bus.state.get(CHECKPOINT_KEY)
+            entry = await through_outage(lambda: self.bus.state.get(CHECKPOINT_KEY), "read checkpoint record")
         except nats.js.errors.KeyNotFoundError:
             return None
         return json.loads(entry.value or b"{}") or None
@@ -139,13 +185,16 @@ class Actor:
         finally:
             await sub.unsubscribe()
         if self.state.step >= self.cfg.trainer.steps:
-            await self.bus.state.put(DONE_KEY, str(self.state.step).encode())
+            await self._put(DONE_KEY, str(self.state.step))
             log.info("actor_done", step=self.state.step, version=self.state.version)
         return self.state.step
 
     async def _collect(self, sub: Any, stop: asyncio.Event, held: list[Held]) -> bool:
         """Fill `held` with a step's groups; False (messages handed back) when stopped first."""
         need = self.cfg.groups_per_step
+        started = time.perf_counter()
+        if self.period_start is None:
+            self.period_start = started
         while len(held) < need:
             if stop.is_set():
                 for h in held:
@@ -155,13 +204,21 @@ class Actor:
                 msgs = await sub.fetch(need - len(held), timeout=1.0)
             except (nats.errors.TimeoutError, TimeoutError):
                 continue
+            except TRANSIENT_FETCH as err:
+                # Tolerated: NATS is away or electing a leader (503); the next fetch works again.
+                log.info("fetch_interrupted", error=type(err).__name__)
+                await asyncio.sleep(0.5)
+                continue
             for msg in msgs:
-                item = await self._admit(msg)
+                admit_started = time.perf_counter()
+                item = await self._admit(msg, held)
+                self.timings["admit_s"] += time.perf_counter() - admit_started
                 if item is not None:
                     held.append(item)
+        self.timings["data_wait_s"] += time.perf_counter() - started
         return True
 
-    async def _admit(self, msg: Msg) -> Held | None:
+    async def _admit(self, msg: Msg, held: list[Held]) -> Held | None:
         """Decode, dedupe and judge one train message; settle it unless it joins the step."""
         seq = msg.metadata.sequence.stream
         try:
@@ -171,13 +228,14 @@ class Actor:
             return None
         assert isinstance(group, TrainGroup)
         attempt_key = f"{group.group_id}/{group.scored.rollout.prompt.attempt}"
-        if group.group_id in self.state.trained or attempt_key in self.state.settled:
-            await msg.ack()  # already settled before a restart: exactly once in effect
+        index = group.scored.rollout.prompt.release_index
+        if index in self.state.trained or attempt_key in self.state.settled or _holds(held, index):
+            await msg.ack()  # a copy (redelivered, or published again after a crash): exactly once in effect
             return None
         decision = await judge(self.bus, group, self.state.version)
         if decision.verdict is Verdict.TRAIN:
             return Held(msg, group, seq)
-        self.state.settled[attempt_key] = seq
+        self.state.settled.add(attempt_key)
         if decision.verdict is Verdict.REQUEUE:
             self.requeued += 1
             await msg.ack()
@@ -205,11 +263,16 @@ class Actor:
         sync_started = time.perf_counter()
         await self._publish_weights(version + 1)
         weight_sync_s = time.perf_counter() - sync_started
+        ack_started = time.perf_counter()
         for h in held:
-            await h.msg.ack_sync()
-            self.state.trained[h.group.group_id] = h.seq
+            self.state.trained.add(h.group.scored.rollout.prompt.release_index)
+            try:
+                await through_outage(h.msg.ack_sync, "ack a trained group", deadline_s=ACK_OUTAGE_S)
+            except NatsUnavailable:
+                pass  # tolerated: an ack lost with a server restart brings the group back; `trained` skips it
+        self.timings["ack_s"] += time.perf_counter() - ack_started
         self.state.step += 1
-        await self.bus.state.put(STEP_KEY, str(self.state.step).encode())
+        await self._put(STEP_KEY, str(self.state.step))
         await self._record_step(held, metrics, lags, weight_sync_s)
         if self.state.step % self.cfg.trainer.checkpoint_every == 0 or self.state.step == self.cfg.trainer.steps:
             await self._checkpoint()
@@ -240,6 +303,7 @@ class Actor:
             "lag_max": float(max(lags)),
             "rollout_tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
             **{f"lag_{k}": float(v) for k, v in sorted(lags.items())},
+            **self._step_timings(),
         }
         await self.bus.publish("events", Metric(run=self.bus.run, step=self.state.step, values=values))
         await self._event(
@@ -257,25 +321,40 @@ class Actor:
             lag=dict(lags),
         )
 
+    def _step_timings(self) -> dict[str, float]:
+        """This step's phase seconds and `step_s`, the time since the previous step was recorded; resets both.
+
+        data_wait_s: collecting the step's groups (waiting for data, fetch, decode, judging);
+        admit_s: the decode / dedupe / staleness part of it; ack_s: acknowledging the trained groups.
+        """
+        now = time.perf_counter()
+        phases = {"data_wait_s": 0.0, "admit_s": 0.0, "ack_s": 0.0, **self.timings}
+        phases["step_s"] = now - (self.period_start if self.period_start is not None else now)
+        self.timings.clear()
+        self.period_start = now
+        return phases
+
     async def _checkpoint(self) -> None:
-        info = await self.bus.js.consumer_info(self.stream, self.durable)
+        info = await through_outage(lambda: self.bus.js.consumer_info(self.stream, self.durable), "read ack floor")
         floor = info.ack_floor.stream_seq if info.ack_floor else 0
         self.state.floor = floor
-        self.state.trained = {k: v for k, v in self.state.trained.items() if v > floor}
-        self.state.settled = {k: v for k, v in self.state.settled.items() if v > floor}
-        extra = dict(vars(self.state))
+        extra = self.state.to_extra()
         data = await asyncio.to_thread(self.trainer.checkpoint_bytes, extra)
-        name = f"ckpt-{self.state.step}"
-        await self.bus.weights.put(name, data)
-        record = {"object": name, "step": self.state.step, "version": self.state.version, "floor": floor}
+        name = f"{CHECKPOINT_PREFIX}{self.state.step}"
+        await through_outage(lambda: self.bus.weights.put(name, data), f"put checkpoint {name}")
         old = await self._checkpoint_record()
-        await self.bus.state.put(CHECKPOINT_KEY, json.dumps(record).encode())
-        if old is not None and old["object"] != name:
-            await self.bus.weights.delete(old["object"])
+        kept, pruned = _retain([*(old or {}).get("kept", [(old or {}).get("object")]), name], self.cfg.trainer)
+        record = {"object": name, "step": self.state.step, "version": self.state.version, "floor": floor, "kept": kept}
+        await self._put(CHECKPOINT_KEY, json.dumps(record))
+        for gone in pruned:
+            await through_outage(functools.partial(self.bus.weights.delete, gone), f"delete checkpoint {gone}")
         log.info("checkpoint_saved", **record)
 
     async def _put_dropped(self) -> None:
-        await self.bus.state.put(DROPPED_KEY, str(self.state.dropped).encode())
+        await self._put(DROPPED_KEY, str(self.state.dropped))
+
+    async def _put(self, key: str, value: str) -> None:
+        await through_outage(lambda: self.bus.state.put(key, value.encode()), f"write {key}")
 
     async def _event(self, event: str, **fields: Any) -> None:
         await self.bus.publish("events", RunEvent(run=self.bus.run, event=event, source="actor", fields=fields))

@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 
 from relax_bus.bus import Bus
-from relax_bus.errors import PublishFailed
+from relax_bus.errors import PublishFailed, VersionConflict
 from relax_bus.log import get_logger
+from relax_bus.outage import is_transient, through_outage
 from relax_bus.stale_filter import read_counter
 from relax_bus.staleness import releasable
 from relax_bus.state_keys import FEEDER_CURSOR, GROUPS_DROPPED, TRAINER_DONE
@@ -51,15 +52,14 @@ async def feed(bus: Bus, stop: asyncio.Event) -> int:
     items = load_task({"type": cfg.task.type, **cfg.task.options})
     if not items:
         raise ValueError(f"task {cfg.task.type!r} produced no items")
-    released, cursor_rev = await read_counter(bus.state, CURSOR_KEY)
+    released, cursor_rev = await through_outage(lambda: read_counter(bus.state, CURSOR_KEY), "read feeder cursor")
     target = cfg.trainer.steps * cfg.groups_per_step
     log.info("feeder_started", items=len(items), released=released, target=target)
     covered = False
     while not stop.is_set():
-        if (await read_counter(bus.state, TRAINER_DONE))[1]:
+        done, version, dropped = await through_outage(lambda: _snapshot(bus), "read run state")
+        if done:
             break
-        version, _ = await bus.version.get()
-        dropped, _ = await read_counter(bus.state, GROUPS_DROPPED)
         need = target + dropped - released
         if need <= 0 and not covered:
             log.info("feeder_covered", released=released, dropped=dropped)
@@ -77,16 +77,42 @@ async def feed(bus: Bus, stop: asyncio.Event) -> int:
             # Tolerated: the prompts hop is full (back-pressure) or NATS is away; retry the same ids.
             log.info("feeder_waiting", reason=str(err))
             continue
+        cursor_rev = await _advance_cursor(bus, released, released + n, cursor_rev)
         released += n
-        value = str(released).encode()
-        # Compare-and-set: a second feeder of the same run (a mistake) fails here instead of double-releasing.
-        if cursor_rev:
-            cursor_rev = await bus.state.update(CURSOR_KEY, value, last=cursor_rev)
-        else:
-            cursor_rev = await bus.state.create(CURSOR_KEY, value)
         log.info("groups_released", released=released, version=version, dropped=dropped)
     log.info("feeder_done", released=released)
     return released
+
+
+async def _snapshot(bus: Bus) -> tuple[bool, int, int]:
+    """`(trainer done, policy version, groups dropped)`."""
+    done = (await read_counter(bus.state, TRAINER_DONE))[1] > 0
+    version, _ = await bus.version.get()
+    dropped, _ = await read_counter(bus.state, GROUPS_DROPPED)
+    return done, version, dropped
+
+
+async def _advance_cursor(bus: Bus, old: int, new: int, revision: int) -> int:
+    """Compare-and-set the cursor from `old` to `new`; return its new revision.
+
+    A second feeder of the same run (a mistake) fails here instead of double-releasing. When NATS
+    drops the answer, the cursor is read back: a write that landed is recognised by its value.
+    """
+    value = str(new).encode()
+    while True:
+        try:
+            if revision:
+                return int(await bus.state.update(CURSOR_KEY, value, last=revision))
+            return int(await bus.state.create(CURSOR_KEY, value))
+        except Exception as err:
+            if not is_transient(err):
+                raise
+        await asyncio.sleep(0.2)
+        current, now = await through_outage(lambda: read_counter(bus.state, CURSOR_KEY), "read feeder cursor")
+        if current == new and now != revision:
+            return now
+        if now != revision or current != old:
+            raise VersionConflict(f"feeder cursor moved under this feeder ({old} -> {current}): a second feeder?")
 
 
 async def _sleep(stop: asyncio.Event, seconds: float) -> None:

@@ -3,24 +3,29 @@
 Prompt groups fetched by the worker loop are collected into one engine call (up to
 `rollout.batch_groups` groups). Before every call the worker loads the newest published weights, and
 it never generates with weights older than `trainer version - max_staleness` (it waits for them).
-Each group is stamped with the version of the weights that generated it.
+Each group is stamped with the version of the weights that generated it. A prompt that can never be
+generated (a media reference that points nowhere, text the tokenizer refuses, more tokens than the
+model's context) is dead-lettered on its own with the reason, before it could fail a whole batch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 from relax_bus.bus import Bus
-from relax_bus.control import Retry
+from relax_bus.control import Reject, Retry
 from relax_bus.errors import BlobNotFound
 from relax_bus.log import get_logger
 from relax_bus.staleness import sync_floor
 from relax_bus.version import VersionTracker
 from relax_bus.worker import Delivery, Worker, WorkerOptions
 from schemas import PromptGroup, RolloutGroup, RolloutTimings, Sample, WireTensor
+from schemas.parts import MediaPart
 from workers.engines.base import Engine, Generated, SamplingSettings, make_engine
 from workers.models import load_tokenizer, materialize
 from workers.tasks import prompt_text
@@ -33,6 +38,8 @@ COLLECT_S = 0.01
 @dataclass
 class _Request:
     prompt: PromptGroup
+    ids: list[int]
+    """Prompt token ids, bos first."""
     received: float
     done: asyncio.Future[RolloutGroup] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -53,6 +60,7 @@ class Rollout:
             temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens
         )
         self.batch = cfg.batch_groups
+        self._tokenizing = threading.Lock()  # handlers tokenise in threads; one tokenizer object serves them all
         self._loop_task: asyncio.Task[None] | None = None
         self.worker: Worker[PromptGroup] | None = None
         self.tokens = 0
@@ -68,16 +76,19 @@ class Rollout:
         await self.tracker.stop()
 
     async def handle(self, prompt: PromptGroup, delivery: Delivery) -> RolloutGroup:
-        """Worker handler: queue the group for the next engine call and wait for its samples."""
+        """Worker handler: check and tokenise the group, queue it for the next engine call, wait for its samples."""
         if self._loop_task is not None and self._loop_task.done():
             raise RuntimeError("rollout batch loop stopped") from self._loop_task.exception()
-        request = _Request(prompt, time.time())
+        await self._check_media(prompt)
+        ids = await asyncio.to_thread(self._encode, prompt)  # a long text takes a while: off the event loop
+        request = _Request(prompt, ids, time.time())
         await self.queue.put(request)
         return await request.done
 
     async def sync_weights(self) -> float:
         """Load the newest weights (waiting for the first version); return seconds spent."""
         started = time.perf_counter()
+        await self.tracker.refresh()  # one KV read per engine call: never generate on a watcher's late news
         floor = sync_floor(max(self.tracker.value, 0), self.bus.config.staleness.max_staleness)
         target = await self.tracker.wait_for(max(floor, 0))
         if target <= self.engine.version:
@@ -112,7 +123,7 @@ class Rollout:
     async def _generate(self, requests: list[_Request]) -> list[RolloutGroup]:
         sync_s = await self.sync_weights()
         version = self.engine.version
-        ids = [self._encode(r.prompt) for r in requests]
+        ids = [r.ids for r in requests]
         n = self.bus.config.samples_per_group
         started = time.perf_counter()
         outputs = await asyncio.to_thread(self.engine.generate, ids, n, self.sampling)
@@ -135,9 +146,35 @@ class Rollout:
         ]
 
     def _encode(self, prompt: PromptGroup) -> list[int]:
+        """Prompt token ids, bos first; Reject when the text cannot be tokenised or leaves no room to answer."""
         tok = self.tokenizer
         text = prompt_text(prompt.parts)
-        return [tok.bos_token_id, *tok.encode(text, add_special_tokens=False)]  # type: ignore[attr-defined]
+        try:
+            with self._tokenizing:
+                ids = [tok.bos_token_id, *tok.encode(text, add_special_tokens=False)]  # type: ignore[attr-defined]
+        except (ValueError, TypeError) as err:  # deliberate: input the tokenizer refuses is bad input, not a fault
+            raise Reject(f"prompt text cannot be tokenised: {type(err).__name__}: {err}") from None
+        limit, room = self.engine.max_context, self.sampling.max_new_tokens
+        if limit is not None and len(ids) + room > limit:
+            raise Reject(
+                f"prompt of {len(ids)} tokens leaves no room for rollout.max_new_tokens={room} "
+                f"in the model's context of {limit} tokens"
+            )
+        return ids
+
+    async def _check_media(self, prompt: PromptGroup) -> None:
+        """Reject a prompt whose media reference names no object in the run's media store (or no local file)."""
+        for i, part in enumerate(prompt.parts):
+            ref = part.ref if isinstance(part, MediaPart) else None
+            if ref is None:
+                continue
+            where = f"prompt part {i} ({part.type})"
+            media = self.bus.media
+            if ref.digest is not None and await media.info(ref.digest.removeprefix("sha256:")) is None:
+                raise Reject(f"{where} references {ref.digest}, which is not in the media store {media.bucket}")
+            uri = urlparse(ref.uri or "")
+            if uri.scheme == "file" and not Path(unquote(uri.path)).is_file():
+                raise Reject(f"{where} references {ref.uri}, which is not a file on this worker")
 
 
 def _sample(g: Generated) -> Sample:
@@ -155,7 +192,7 @@ async def rollout_worker(
     """Build the engine from the run config and a Worker that feeds it."""
     cfg = bus.config
     model_dir = await asyncio.to_thread(materialize, cfg.model.source, cache_dir / "base", cfg.model.seed)
-    engine = await asyncio.to_thread(make_engine, cfg.rollout.engine, model_dir)
+    engine = await asyncio.to_thread(lambda: make_engine(cfg.rollout.engine, model_dir, **cfg.rollout.engine_options()))
     engine.version = -1  # nothing loaded from the trainer yet: the first batch waits for v0
     options = options or WorkerOptions(concurrency=cfg.rollout.batch_groups)
     rollout = Rollout(bus, engine, load_tokenizer(model_dir), make_transport(bus), options.worker_id)

@@ -8,6 +8,7 @@ here the same way: one small class and one registry line.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Protocol
@@ -19,6 +20,7 @@ from safetensors.torch import save as st_save
 from relax_bus.bus import Bus
 from relax_bus.errors import BlobNotFound
 from relax_bus.log import get_logger
+from relax_bus.outage import through_outage
 from schemas import WeightsAnnouncement
 
 log = get_logger(__name__)
@@ -29,6 +31,42 @@ StateDict = dict[str, torch.Tensor]
 def to_bytes(state: StateDict) -> bytes:
     """Serialize a state dict as safetensors (tied tensors are written once each, as copies)."""
     return st_save({k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()})
+
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def from_buffer(buf: bytearray | memoryview) -> StateDict:
+    """The tensors of a safetensors buffer as views into it, without copying (the buffer is theirs from now on).
+
+    Layout: 8-byte little-endian header length n, a JSON header {name: {dtype, shape, data_offsets}},
+    then the data. Falls back to a copying load for a dtype not listed or a misaligned tensor.
+    """
+    n = int.from_bytes(buf[:8], "little")
+    header = json.loads(bytes(buf[8 : 8 + n]))
+    header.pop("__metadata__", None)
+    base = 8 + n
+    state: StateDict = {}
+    for name, spec in header.items():
+        dtype = SAFETENSORS_DTYPES.get(spec["dtype"])
+        start, end = spec["data_offsets"]
+        if dtype is None or (base + start) % dtype.itemsize:
+            return st_load(bytes(buf))
+        raw = torch.frombuffer(buf, dtype=torch.uint8, count=end - start, offset=base + start) if end > start else None
+        tensor = raw.view(dtype) if raw is not None else torch.empty(0, dtype=dtype)
+        state[name] = tensor.reshape(spec["shape"])
+    return state
 
 
 class WeightTransport(Protocol):
@@ -48,10 +86,11 @@ class ObjectStoreTransport:
 
     async def publish(self, version: int, state: StateDict, step: int) -> WeightsAnnouncement:
         data = to_bytes(state)
-        info = await self.bus.weights.put(f"v{version}", data)
+        name = f"v{version}"
+        info = await through_outage(lambda: self.bus.weights.put(name, data), f"put weights {name}")
         stale = version - self.keep
         if stale > 0:  # v0 stays: the reference role and restarts from scratch read it
-            await self.bus.weights.delete(f"v{stale}")
+            await through_outage(lambda: self.bus.weights.delete(f"v{stale}"), f"delete weights v{stale}")
         return WeightsAnnouncement(
             run=self.bus.run,
             version=version,
@@ -63,8 +102,8 @@ class ObjectStoreTransport:
 
     async def fetch(self, version: int) -> StateDict:
         started = time.perf_counter()
-        data = await self.bus.weights.get(f"v{version}")
-        state = st_load(data)
+        data = await self.bus.weights.get_buffer(f"v{version}")
+        state = from_buffer(data)
         log.debug(
             "weights_fetched",
             version=version,

@@ -16,7 +16,8 @@ import nats.js.errors
 from relax_bus.bus import Bus
 from relax_bus.connection import connect
 from relax_bus.envelope import open_message
-from relax_bus.provision import provision
+from relax_bus.outage import through_outage
+from relax_bus.provision import provision_when_ready
 from relax_bus.settings import ConnectionSettings, RunConfig
 from schemas import Message, Metric, RunEvent, TrainGroup
 from workers.launcher import Role, role_commands
@@ -54,12 +55,21 @@ class Cluster:
     bus: Bus | None = None
 
     @classmethod
-    async def start(cls, url: str, config: RunConfig, work: Path) -> Cluster:
-        nc = await connect(ConnectionSettings(nats_url=[url]), name="e2e")
-        await provision(nc.jetstream(), config)
+    async def start(
+        cls,
+        url: str,
+        config: RunConfig,
+        work: Path,
+        settings: ConnectionSettings | None = None,
+        role_env: dict[str, dict[str, str]] | None = None,
+    ) -> Cluster:
+        """Provision (over `settings`, default: no credentials) and start every role, each with its
+        `role_env[name]` (its own NATS credentials, say) added to the environment."""
+        nc = await connect(settings or ConnectionSettings(nats_url=url.split(",")), name="e2e")
+        await provision_when_ready(nc.jetstream(), config, wait_s=30.0)  # a fresh cluster elects its leader first
         (work / "logs").mkdir(parents=True, exist_ok=True)
         roles = [
-            Role(name, i, cmd, work / "logs" / f"{name}-{i}.log")
+            Role(name, i, cmd, work / "logs" / f"{name}-{i}.log", env=(role_env or {}).get(name, {}))
             for name, i, cmd in role_commands(config, url, work / "cache")
         ]
         cluster = cls(url, config, work, roles, await Bus.attach(nc, config.run))
@@ -78,10 +88,30 @@ class Cluster:
         role.proc.wait(timeout=10)
         role.finished = True  # expected to be dead from now on
 
+    def restart(self, name: str, index: int = 0) -> None:
+        """Start a role again (after a kill or a crash), as a supervisor would."""
+        role = self.role(name, index)
+        role.stop()
+        role.restarts += 1
+        role.finished = False
+        role.start()
+
+    async def stuck(self) -> dict[str, tuple[int, int]]:
+        """`hop -> (pending, unacked)` for every hop consumer that still holds messages."""
+        assert self.bus is not None
+        out = {}
+        for c in self.bus.topology.consumers:
+            info = await self.bus.js.consumer_info(self.bus.topology.stream(c.stream_key).name, c.durable)
+            pending, unacked = int(info.num_pending or 0), int(info.num_ack_pending or 0)
+            if pending or unacked:
+                out[c.stream_key] = (pending, unacked)
+        return out
+
     async def kv_int(self, key: str) -> int:
         assert self.bus is not None
         try:
-            return int((await self.bus.state.get(key)).value or b"0")
+            entry = await through_outage(lambda: self.bus.state.get(key), f"read {key}", deadline_s=60.0)
+            return int(entry.value or b"0")
         except nats.js.errors.KeyNotFoundError:
             return 0
 
@@ -92,7 +122,7 @@ class Cluster:
             for r in self.roles:
                 code = r.proc.poll() if r.proc and not r.finished else None
                 if code not in (None, 0):
-                    raise AssertionError(f"{r.name}-{r.index} died with {code}:\n{self.log_tail(r)}")
+                    raise AssertionError(f"{r.name}-{r.index} died with {code}:\n{self.log_tail(r, 120)}")
             assert time.monotonic() < deadline, f"step {step} not reached in {timeout_s}s\n{self.all_logs()}"
             await asyncio.sleep(0.2)
 
@@ -145,21 +175,24 @@ class Accounting:
     effective: dict[int, list[str]]
     """step -> group ids of the step whose update survived (the last record of each step number)."""
     dropped: list[str]
+    requeued: list[str]
     metrics: list[Metric]
     train_groups: list[TrainGroup]
 
     @classmethod
     def from_events(cls, events: list[Message], released: int, train: list[Message]) -> Accounting:
         effective: dict[int, list[str]] = {}
-        dropped = []
+        dropped, requeued = [], []
         for e in events:
             if isinstance(e, RunEvent) and e.event == "step_trained":
                 effective[int(e.fields["step"])] = str(e.fields["groups"]).split(",")  # type: ignore[arg-type]
             elif isinstance(e, RunEvent) and e.event == "group_dropped":
                 dropped.append(str(e.fields["group_id"]))
+            elif isinstance(e, RunEvent) and e.event == "group_requeued":
+                requeued.append(str(e.fields["group_id"]))
         metrics = [e for e in events if isinstance(e, Metric)]
         groups = [t for t in train if isinstance(t, TrainGroup)]
-        return cls(released, effective, dropped, metrics, groups)
+        return cls(released, effective, dropped, requeued, metrics, groups)
 
     @property
     def trained(self) -> list[str]:

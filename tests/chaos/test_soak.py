@@ -1,0 +1,61 @@
+"""Soak: several rollout and reward workers, a small max_ack_pending, a few minutes of steady work.
+
+Memory of every role stays flat and every hop stays within what the credit rule lets into the
+pipeline. RELAX_SOAK_S sets the duration (default 90 s); the table is printed at the end of the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from relax_bus.settings import parse_run_config
+from tests.chaos.report import SOAK_TABLES
+from tests.chaos.soak import Samples
+from tests.e2e.cluster import Cluster, small_config
+from tests.e2e.test_pipeline import run_id
+
+SOAK_S = float(os.environ.get("RELAX_SOAK_S", "90"))
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(int(SOAK_S) + 300)]
+
+
+async def test_soak_keeps_memory_and_queues_bounded(nats_server, tmp_path):
+    staleness, per_step = 2, 4
+    config = parse_run_config(
+        small_config(
+            run_id(),
+            groups_per_step=per_step,
+            staleness={"max_staleness": staleness},
+            roles={"rollout": 3, "reward": 2},
+            trainer={"steps": 100_000, "checkpoint_every": 20},
+            bus={"max_ack_pending": 2},
+        )
+    )
+    cluster = await Cluster.start(nats_server.url, config, tmp_path)
+    samples = Samples()
+    try:
+        await cluster.wait_step(1)
+        started = time.monotonic()
+        first_step = await cluster.kv_int("trainer.step")
+        while time.monotonic() - started < SOAK_S:
+            for r in cluster.roles:
+                assert r.proc is not None and r.proc.poll() is None, f"{r.name}-{r.index} died:\n{cluster.log_tail(r)}"
+            await samples.take(cluster)
+            await asyncio.sleep(0.5)
+        steps = await cluster.kv_int("trainer.step") - first_step
+    finally:
+        await cluster.stop()
+    SOAK_TABLES.append(
+        samples.table(f"soak: {SOAK_S:g}s, {steps} steps, rollout x3, reward x2, max_ack_pending 2, max_staleness 2")
+    )
+    assert steps > 10, f"only {steps} steps in {SOAK_S:g}s"
+    # The credit rule admits at most (S + 1) * B groups beyond the trained ones: no hop can hold more.
+    bound = (staleness + 1) * per_step
+    for hop, series in samples.depth.items():
+        assert max(series) <= bound, (hop, max(series), bound)
+    for name in samples.rss:
+        early, late = samples.growth(name)
+        assert late <= early * 1.25 + 40, f"{name} grew from {early:.0f} to {late:.0f} MiB"
