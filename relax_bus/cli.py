@@ -7,6 +7,7 @@ import asyncio
 import importlib
 import json
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +36,13 @@ def _parser() -> argparse.ArgumentParser:
     i = with_nats(sub.add_parser("init", help="create or update a run's streams, consumers and stores from CONFIG"))
     i.add_argument("config", help="run config (YAML or JSON)")
     i.add_argument("--json", action="store_true", help="print the result as JSON")
+    i.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="keep retrying this long while NATS or JetStream is not up yet (a server or cluster just started)",
+    )
 
     n = with_nats(sub.add_parser("inspect", help="show a run: streams, consumers, state, live workers, dead letters"))
     n.add_argument("run", help="run id")
@@ -51,6 +59,23 @@ def _parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="log level (also accepted before the command)",
     )
+
+    a = sub.add_parser("auth", help="write a nats-server config with one least-privilege user per role of CONFIG's run")
+    a.add_argument("config", help="run config (YAML or JSON)")
+    a.add_argument("--out", required=True, help="directory for nats-server.conf, auth.conf and <role>.env files")
+    a.add_argument("--host", default="127.0.0.1", help="address the server listens on (default 127.0.0.1)")
+    a.add_argument("--port", type=int, default=4222, help="client port (default 4222)")
+    a.add_argument("--store-dir", default="./.relax/nats", help="JetStream file store (default ./.relax/nats)")
+    a.add_argument("--tls-cert", help="server certificate: the server then requires TLS")
+    a.add_argument("--tls-key", help="server private key (with --tls-cert)")
+    a.add_argument("--tls-ca", help="CA that signed the certificate, written into the credentials files")
+    a.add_argument("--force", action="store_true", help="replace credentials written before")
+
+    y = with_nats(sub.add_parser("replay", help="recompute one step of a run from its checkpoint and compare the loss"))
+    y.add_argument("run", help="run id")
+    y.add_argument("--step", type=int, required=True, help="the step to recompute")
+    y.add_argument("--work-dir", default="./.relax/work", help="local cache for model files (default ./.relax/work)")
+    y.add_argument("--json", action="store_true", help="print the result as JSON")
 
     r = sub.add_parser("run", help="run a whole training run locally: NATS, every role, progress, reward curve")
     r.add_argument("config", help="run config (YAML or JSON)")
@@ -74,6 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "server":
             return _server(args)
+        if args.command == "auth":
+            return _auth(args)
         return asyncio.run(_COMMANDS[args.command](args))
     except RelaxBusError as err:
         print(f"relax: error: {err}", file=sys.stderr)
@@ -97,13 +124,15 @@ def _settings(args: argparse.Namespace) -> Any:
 
 async def _init(args: argparse.Namespace) -> int:
     from relax_bus.connection import connect
-    from relax_bus.provision import provision
+    from relax_bus.provision import provision_when_ready
     from relax_bus.settings import load_run_config
 
     config = load_run_config(args.config)
-    nc = await connect(_settings(args), name="relax-init")
+    started = time.monotonic()
+    nc = await connect(_settings(args), name="relax-init", retry_for_s=args.wait)
     try:
-        report = await provision(nc.jetstream(timeout=10.0), config)
+        wait_left = max(0.0, args.wait - (time.monotonic() - started))
+        report = await provision_when_ready(nc.jetstream(timeout=10.0), config, wait_left)
     finally:
         await nc.close()
     if args.json:
@@ -129,6 +158,37 @@ async def _inspect(args: argparse.Namespace) -> int:
     finally:
         await nc.close()
     print(json.dumps(info, indent=2) if args.json else render(info))
+    return 0
+
+
+def _auth(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from relax_bus.credentials import write_bundle
+    from relax_bus.errors import ConfigError
+    from relax_bus.settings import load_run_config
+
+    config = load_run_config(args.config)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ConfigError("relax auth flags", ["--tls-cert and --tls-key must be given together"])
+    out = Path(args.out)
+    bundle = write_bundle(
+        config,
+        out,
+        host=args.host,
+        port=args.port,
+        store_dir=Path(args.store_dir),
+        tls=(Path(args.tls_cert), Path(args.tls_key)) if args.tls_cert else None,
+        tls_ca_file=Path(args.tls_ca) if args.tls_ca else None,
+        force=args.force,
+    )
+    stored = "bcrypt hashes" if bundle.hashed else "plain text (no bcrypt in this C library: keep it private)"
+    print(f"run {config.run}: {len(bundle.credentials)} NATS users written to {out} (auth.conf holds {stored})")
+    print(f"  {bundle.server_conf}  start it: nats-server -c {bundle.server_conf}")
+    print(f"  {bundle.auth_conf}  users and permissions (include it in another server config)")
+    for role, path in bundle.env_files.items():
+        print(f"  {path}  user {bundle.credentials[role].user} (mode 0600)")
+    print(f"run a role with its file: (set -a; . {out / 'rollout.env'}; relax worker rollout --run {config.run})")
     return 0
 
 
@@ -175,6 +235,18 @@ async def _worker(args: argparse.Namespace) -> int:
     return code
 
 
+async def _replay(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from relax_bus.bus import Bus
+
+    replay = importlib.import_module("workers.replay")
+    async with await Bus.connect(_settings(args), args.run, name="relax-replay") as bus:
+        result = await replay.replay(bus, args.step, Path(args.work_dir))
+    print(json.dumps(result.as_dict(), indent=2) if args.json else replay.render(result))
+    return 0 if result.matches() else 1
+
+
 async def _run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -198,7 +270,7 @@ async def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"init": _init, "inspect": _inspect, "worker": _worker, "run": _run}
+_COMMANDS = {"init": _init, "inspect": _inspect, "worker": _worker, "replay": _replay, "run": _run}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,6 +7,8 @@ The worker loop (`relax_bus.worker`) maps them, in one place, to JetStream ackno
 | `Retry(delay)`    | nak with delay (redelivered; after max_deliver: dead letter)  |
 | `Drop(reason)`    | term with the reason; counted; a `message_dropped` event      |
 | `Skip()`          | ack without output                                            |
+| `Reject(reason)`  | dead letter at once with the reason (bad input: no retry)     |
+| output hop full   | held (kept in progress) until the publish fits: back-pressure |
 | anything else     | logged with traceback, nak with backoff, dead letter at last  |
 """
 
@@ -24,6 +26,14 @@ class Retry(Exception):
 
 class Drop(Exception):
     """Raised by a handler that refuses a message for good; it is terminated with the reason recorded."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Reject(Exception):
+    """Raised by a handler for input that can never succeed; it is dead-lettered at once with the reason."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)

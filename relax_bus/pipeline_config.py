@@ -47,11 +47,29 @@ class RewardConfig(_Section):
     """User code running longer than this scores 0 with the error recorded."""
 
 
+class SimEngineConfig(_Section):
+    """Timing of the simulated engine (`rollout.engine: sim`), which runs no model and only sleeps.
+
+    One call on k prompt groups takes the longest of k log-normal draws (median `group_median_s`,
+    shape `group_sigma`); loading a weights version takes `load_s`. Used to measure scheduling, the
+    bus and the weight protocol on their own (`benchmarks/cluster_sim.py`, `benchmarks/scale.py`).
+    """
+
+    group_median_s: float = Field(default=0.0, ge=0)
+    """Median generation time of one prompt group (0: generation is instant)."""
+    group_sigma: float = Field(default=0.0, ge=0, le=4)
+    """Log-normal shape of the per-group time: 0 makes every group take the median, 1 is long-tailed."""
+    load_s: float = Field(default=0.0, ge=0)
+    """Time to load one weights version into the engine (after the real fetch from the bus)."""
+    seed: int | None = None
+    """Seed of the time and sample draws; None draws differently in every worker."""
+
+
 class RolloutConfig(_Section):
     """Generation."""
 
-    engine: Literal["torch", "vllm"] = "torch"
-    """Generation engine of the rollout workers."""
+    engine: Literal["torch", "vllm", "sim"] = "torch"
+    """Generation engine of the rollout workers (`sim`: no model, timed sleeps, see `sim`)."""
     temperature: float = Field(default=1.0, gt=0)
     """Sampling temperature (the trainer computes log-probs at the same temperature)."""
     top_p: float = Field(default=1.0, gt=0, le=1)
@@ -60,6 +78,12 @@ class RolloutConfig(_Section):
     """Longest response."""
     batch_groups: int = Field(default=32, ge=1)
     """Prompt groups one engine call generates together (also the worker's in-flight budget)."""
+    sim: SimEngineConfig = Field(default_factory=SimEngineConfig)
+    """Timing of the simulated engine; ignored by the other engines."""
+
+    def engine_options(self) -> dict[str, Any]:
+        """Constructor options of the chosen engine beyond the model directory."""
+        return self.sim.model_dump() if self.engine == "sim" else {}
 
 
 class WarmupConfig(_Section):
@@ -79,6 +103,17 @@ class WarmupConfig(_Section):
     """Fraction of answers replaced by wrong ones in the `noise_steps` that follow (0: none)."""
     noise_steps: int = Field(default=0, ge=0)
     """Supervised steps with noisy labels after the clean warm-up."""
+
+
+class SimTrainerConfig(_Section):
+    """A simulated optimizer step: the actor's loop, weight publishing and acks stay real, the update sleeps."""
+
+    step_s: float = Field(default=0.0, ge=0)
+    """Median time of one simulated optimizer step."""
+    sigma: float = Field(default=0.0, ge=0, le=4)
+    """Log-normal shape of the step time (0: every step takes `step_s`)."""
+    seed: int | None = None
+    """Seed of the step-time draws."""
 
 
 class TrainerConfig(_Section):
@@ -110,11 +145,16 @@ class TrainerConfig(_Section):
     """KL estimator."""
     checkpoint_every: int = Field(default=10, ge=1)
     """Steps between checkpoints (model, optimizer, step, settled group ids, ack floor)."""
+    keep_checkpoints: int = Field(default=5, ge=1)
+    """Newest checkpoints kept besides step 0's; `relax replay` starts from one at or before the step."""
     nproc: int = Field(default=1, ge=1)
     """Trainer processes; above 1 runs under torchrun with FSDP2."""
     seed: int = 0
     """Seed of the trainer's own randomness (warm-up order)."""
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
+    simulate: SimTrainerConfig | None = None
+    """Replace each optimizer update by a timed sleep (benchmarks of scheduling and the bus); the published
+    weights then stay those the actor started with."""
 
     @model_validator(mode="after")
     def _tis_range(self) -> TrainerConfig:
@@ -127,5 +167,8 @@ class RolesConfig(_Section):
     """How many processes of each role `relax run` starts (others can join with `relax worker`)."""
 
     rollout: int = Field(default=1, ge=0)
+    """Rollout (generation) processes."""
     reward: int = Field(default=1, ge=0)
+    """Reward (scoring) processes."""
     reference: int = Field(default=1, ge=0)
+    """Reference processes; ignored while `trainer.kl_coef` is 0 (the run then has no reference role)."""

@@ -7,16 +7,22 @@ outside `settings.TUNABLE`.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from dataclasses import dataclass, field
 
+import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 
 from relax_bus.errors import ProvisionFailed, RunNotFound, TopologyConflict
+from relax_bus.log import get_logger
 from relax_bus.settings import RunConfig, incompatible_changes, parse_run_config
 from relax_bus.topology import ConsumerSpec, StreamSpec, Topology, build_topology, state_bucket
+
+log = get_logger(__name__)
 
 CONFIG_KEY = "config"
 INSUFFICIENT_STORAGE = 10047
@@ -181,3 +187,31 @@ async def read_config(js: JetStreamContext, run: str, missing_ok: bool = False) 
             return None
         raise RunNotFound(f"run {run!r} is not initialised on this server (run `relax init CONFIG` first)") from None
     return parse_run_config(json.loads(entry.value or b"{}"), source=f"KV {state_bucket(run)}/{CONFIG_KEY}")
+
+
+# What a server that is still starting answers: no JetStream responder yet, a cluster without a
+# meta leader (503), or too few peers joined to place a replicated stream (ProvisionFailed).
+_NOT_READY = (
+    nats.errors.NoRespondersError,
+    nats.errors.TimeoutError,
+    nats.js.errors.ServiceUnavailableError,
+    ProvisionFailed,
+)
+
+
+async def provision_when_ready(js: JetStreamContext, config: RunConfig, wait_s: float) -> ProvisionReport:
+    """`provision`, retried for up to `wait_s` seconds while JetStream is not ready (a fresh server or cluster)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return await provision(js, config)
+        except _NOT_READY as err:
+            # Tolerated until the deadline: a cluster elects its JetStream leader seconds after it starts.
+            if time.monotonic() + 1.0 > deadline:
+                if isinstance(err, ProvisionFailed) or wait_s <= 0:
+                    raise
+                raise ProvisionFailed(
+                    f"JetStream was not ready within {wait_s:g}s ({type(err).__name__}: {err})"
+                ) from None
+            log.info("jetstream_not_ready", error=f"{type(err).__name__}: {err}")
+            await asyncio.sleep(1.0)

@@ -76,6 +76,11 @@ class Publisher:
                 return await self.js.publish(
                     subject, payload, timeout=max(0.05, min(ATTEMPT_TIMEOUT_S, left)), headers=dict(headers)
                 )
+            except nats.errors.MaxPayloadError:
+                limit = self.js._nc.max_payload
+                raise PublishFailed(
+                    f"publish to {subject} refused: {len(payload)} bytes exceed the server's max_payload ({limit})"
+                ) from None
             except nats.js.errors.APIError as err:
                 if err.err_code not in RETRYABLE_CODES and err.code != 503:
                     raise PublishFailed(f"publish to {subject} refused: {err.description or err}") from None

@@ -51,6 +51,8 @@ class ConnectionSettings(BaseSettings):
     """Token for token authentication."""
     creds_file: Path | None = None
     """NATS credentials file (JWT + nkey) for decentralised authentication."""
+    inbox_prefix: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_$-]+(\.[A-Za-z0-9_$-]+)*$")
+    """Prefix of this client's reply subjects (default _INBOX); `relax auth` gives each user its own."""
     tls_ca_file: Path | None = None
     """CA bundle that signs the server's certificate (enables TLS)."""
     tls_cert_file: Path | None = None
@@ -59,6 +61,8 @@ class ConnectionSettings(BaseSettings):
     """Client key for mutual TLS."""
     connect_timeout_s: float = Field(default=3.0, gt=0)
     """How long the first connection may take before the command gives up."""
+    connect_retry_s: float = Field(default=60.0, ge=0)
+    """How long `relax worker` keeps retrying its first connection (a server that starts later); 0: one try."""
     nats_server_bin: Path | None = None
     """Explicit path of the nats-server binary used by `relax server` and the tests."""
 
@@ -195,6 +199,7 @@ TUNABLE = frozenset(
         "roles.reward",
         "roles.reference",
         "trainer.checkpoint_every",
+        "trainer.keep_checkpoints",
     }
 )
 

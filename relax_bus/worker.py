@@ -3,7 +3,8 @@
 Fetch in batches from the role's durable consumer, resolve claim checks, decode, call the handler
 (keeping the message alive with `in_progress()` while it runs), publish what it returns to the
 role's output subject, then ack. Control exceptions (`relax_bus.control`) and failures are mapped
-to nak / term / dead letter in `_settle`, the one place that decides. SIGTERM stops fetching,
+to nak / term / dead letter in `_settle`, the one place that decides; an output hop that is full
+holds the input in progress until the publish fits (back-pressure, never a failure). SIGTERM stops fetching,
 lets in-flight handlers finish within a grace period (naks the rest) and drains the connection.
 """
 
@@ -25,11 +26,12 @@ import nats.js.errors
 from nats.aio.msg import Msg
 
 from relax_bus.bus import Bus
-from relax_bus.control import Drop, Retry, Skip
+from relax_bus.control import Drop, Reject, Retry, Skip
 from relax_bus.envelope import open_message
-from relax_bus.errors import BlobCorrupt, BlobNotFound
+from relax_bus.errors import BlobCorrupt, BlobNotFound, StreamFull
 from relax_bus.heartbeat import HeartbeatWriter, process_heartbeat
 from relax_bus.log import get_logger
+from relax_bus.outage import TRANSIENT_FETCH
 from relax_bus.settle import dead_letter, term
 from schemas import DeadLetter, Message, RunEvent, SchemaError, WorkerHeartbeat
 
@@ -168,8 +170,8 @@ class Worker(Generic[In]):
                     if until_empty and not inflight and await self._input_drained():
                         break
                     continue
-                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError) as err:
-                    # Tolerated: NATS is away; the client reconnects and the next fetch works again.
+                except TRANSIENT_FETCH as err:
+                    # Tolerated: NATS is away or electing a leader (503); the next fetch works again.
                     log.info("fetch_interrupted", error=type(err).__name__)
                     await asyncio.sleep(0.5)
                     continue
@@ -243,7 +245,16 @@ class Worker(Generic[In]):
             raise RuntimeError(f"role {self.role.name} has no output subject but its handler returned messages")
         subject = self.bus.topology.subject(self.role.output)
         for out in outputs:
-            await self.bus.publisher.publish(subject, out)
+            while True:
+                try:
+                    await self.bus.publisher.publish(subject, out)
+                    break
+                except StreamFull as err:
+                    # Back-pressure: the output hop is full. The input stays in progress (kept alive) and the
+                    # same publish is tried again; a nak would count a delivery and end in the dead letters.
+                    if self._stop.is_set():
+                        raise Retry(1.0, f"stopped while the output was full: {err}") from None
+                    log.info("output_full", role=self.role.name, subject=subject)
             self.counters.published += 1
 
     async def _settle(self, msg: Msg, delivery: Delivery, message: Message, err: BaseException) -> None:
@@ -262,6 +273,8 @@ class Worker(Generic[In]):
                 group_id=_group_id(message),
             )
             log.info("message_dropped", role=self.role.name, reason=err.reason, seq=delivery.stream_seq)
+        elif isinstance(err, Reject):
+            await self._dead_letter(msg, delivery, err.reason)
         elif isinstance(err, Retry):
             if delivery.last_attempt:
                 why = err.reason or "handler asked for a retry"

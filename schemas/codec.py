@@ -20,8 +20,16 @@ M = TypeVar("M", bound=Message)
 
 
 def encode(message: Message) -> bytes:
-    """Serialize a message to msgpack bytes."""
-    return msgpack.packb(message.model_dump(mode="python"), use_bin_type=True)  # type: ignore[no-any-return]
+    """Serialize a message to msgpack bytes; InvalidMessage when a field cannot travel (e.g. a lone surrogate)."""
+    try:
+        return msgpack.packb(message.model_dump(mode="python"), use_bin_type=True)  # type: ignore[no-any-return]
+    except UnicodeEncodeError as err:
+        kind = getattr(message, "kind", type(message).__name__)
+        bad = err.object[err.start : err.end]
+        raise InvalidMessage(
+            f"{kind} message cannot be encoded: a string holds {bad!r} at position {err.start}, "
+            f"which is not valid Unicode text ({err.reason})"
+        ) from None
 
 
 def peek_kind(data: bytes) -> tuple[str, str]:
@@ -63,6 +71,8 @@ def decode(data: bytes, expect: type[Message] | None = None) -> Message:
 def _unpack(data: bytes) -> dict[str, Any]:
     try:
         fields = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except UnicodeDecodeError as err:
+        raise MalformedPayload(f"payload of {len(data)} bytes has a string that is not valid UTF-8: {err}") from None
     except Exception as err:  # msgpack raises several unrelated types for corrupt input
         raise MalformedPayload(f"payload of {len(data)} bytes is not valid msgpack: {err}") from None
     if not isinstance(fields, dict):

@@ -5,3 +5,11 @@ from relax_bus.errors import RelaxBusError
 
 class RunFailed(RelaxBusError):
     """Raised by `relax run` when a role keeps dying (more restarts than the launcher allows)."""
+
+
+class RoleNotInRun(RelaxBusError):
+    """Raised by `relax worker ROLE` when the run's chain has no such role (reference while kl_coef is 0)."""
+
+
+class ReplayFailed(RelaxBusError):
+    """Raised by `relax replay` when a step cannot be recomputed (no record, no checkpoint, data expired)."""

@@ -46,11 +46,14 @@ class Role:
     restarts: int = 0
     next_start: float = 0.0
     finished: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+    """Variables added to the inherited environment (its NATS credentials from `relax auth`, say)."""
     _log: IO[bytes] | None = field(default=None, repr=False)
 
     def start(self) -> None:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT)
+        env = {**os.environ, **self.env} if self.env else None  # passed through, not read
+        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
     def stop(self, timeout_s: float = 20.0) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,8 @@ def _build_tiny(hidden: int, layers: int, target_dir: Path, seed: int) -> Path:
     record = {"source": f"tiny:{hidden}x{layers}", "seed": seed}
     if _holds_model(target_dir, record):
         return target_dir
-    staging = target_dir.parent / f".{target_dir.name}.building-{os.getpid()}"
+    # Unique per build: processes in containers sharing a volume all run as pid 1.
+    staging = target_dir.parent / f".{target_dir.name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     shutil.rmtree(staging, ignore_errors=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -22,6 +22,7 @@ from relax_bus.log import get_logger
 from relax_bus.settings import ConnectionSettings
 from relax_bus.worker import Worker, WorkerOptions
 from schemas import WorkerHeartbeat
+from workers.errors import RoleNotInRun
 
 log = get_logger(__name__)
 
@@ -29,13 +30,17 @@ ROLES = ("feeder", "rollout", "reward", "reference", "actor")
 
 
 async def run_role(role: str, settings: ConnectionSettings, run: str, work_dir: Path, threads: int = 1) -> int:
-    """Connect (retrying for up to 60 s), run the role until it is done or stopped; return an exit code."""
+    """Connect (retrying for `settings.connect_retry_s`), run the role until done or stopped; return an exit code."""
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r} (roles: {', '.join(ROLES)})")
     torch.set_num_threads(threads)
     if role == "actor" and await _follower(settings, run, work_dir / run):
         return 0
-    bus = await Bus.connect(settings, run, name=f"relax-{role}", retry_for_s=60.0)
+    bus = await Bus.connect(settings, run, name=f"relax-{role}", retry_for_s=settings.connect_retry_s)
+    if all(r.name != role for r in bus.topology.roles):
+        await bus.close()
+        why = " (trainer.kl_coef is 0)" if role == "reference" else ""
+        raise RoleNotInRun(f"run {run} has no {role} role{why}; its roles: {_role_names(bus)}")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -51,6 +56,10 @@ async def run_role(role: str, settings: ConnectionSettings, run: str, work_dir: 
     finally:
         await bus.close()
     return 0
+
+
+def _role_names(bus: Bus) -> str:
+    return ", ".join(r.name for r in bus.topology.roles)
 
 
 async def _feeder(bus: Bus, stop: asyncio.Event) -> None:
@@ -71,7 +80,7 @@ async def _follower(settings: ConnectionSettings, run: str, cache: Path) -> bool
     from workers.models import materialize
     from workers.trainer import PolicyTrainer
 
-    bus = await Bus.connect(settings, run, name="relax-actor-follower", retry_for_s=60.0)
+    bus = await Bus.connect(settings, run, name="relax-actor-follower", retry_for_s=settings.connect_retry_s)
     config = bus.config  # the only thing a follower reads from the bus
     await bus.close()
     model_dir = await asyncio.to_thread(materialize, config.model.source, cache / "base", config.model.seed)
@@ -84,13 +93,15 @@ async def _actor(bus: Bus, stop: asyncio.Event, cache: Path) -> None:
     from workers.actor import Actor
     from workers.distributed import DrivenTrainer, world
     from workers.models import materialize
+    from workers.sim_trainer import SimulatedTrainer
     from workers.tasks import load_task
     from workers.trainer import PolicyTrainer
     from workers.weights import make_transport
 
     cfg = bus.config
     model_dir = await asyncio.to_thread(materialize, cfg.model.source, cache / "base", cfg.model.seed)
-    local = await asyncio.to_thread(PolicyTrainer, model_dir, cfg)
+    trainer_class = PolicyTrainer if cfg.trainer.simulate is None else SimulatedTrainer
+    local = await asyncio.to_thread(trainer_class, model_dir, cfg)
     _, size = world()
     trainer = DrivenTrainer(local) if size > 1 else local
     actor = Actor(bus, trainer, make_transport(bus))

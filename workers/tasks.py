@@ -143,6 +143,11 @@ def _parse_record(line: str, base: Path) -> tuple[tuple[Part, ...], str | None, 
         raise ValueError(f"not valid JSON ({err.msg} at column {err.colno})") from None
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as err:  # a "\udXXX" JSON escape with no pair: no message could carry it
+        bad = err.object[err.start : err.end]
+        raise ValueError(f"holds {bad!r}, a lone surrogate, which is not valid Unicode text") from None
     if "prompt" not in record:
         raise ValueError("missing 'prompt'")
     prompt = record["prompt"]

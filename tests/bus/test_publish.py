@@ -1,12 +1,14 @@
 import asyncio
 import os
+import time
 
+import nats.errors
 import pytest
 
 from relax_bus.blobs import digest_of
 from relax_bus.envelope import CLAIM, open_message
-from relax_bus.errors import BlobNotFound, StreamFull
-from schemas import DeadLetter, PromptGroup
+from relax_bus.errors import BlobNotFound, PublishFailed, StreamFull
+from schemas import DeadLetter, PromptGroup, encode
 from tests import factories as f
 from tests.unit.test_schemas import every_message
 
@@ -60,6 +62,23 @@ async def test_five_mib_payload_goes_through_the_claim_check(bus):
 async def test_missing_claim_is_a_clear_error(bus):
     with pytest.raises(BlobNotFound, match="no object"):
         await open_message(b"", {CLAIM: "sha256:" + "0" * 64}, bus.media)
+
+
+async def test_oversized_payloads_fail_at_once_or_go_by_claim_check(make_bus):
+    bus = await make_bus(bus={"claim_check_bytes": 64 << 20})  # asks for more than the server's max_payload
+    subject = bus.topology.subject("prompts")
+    limit = bus.nc.max_payload
+    started = time.monotonic()
+    with pytest.raises(nats.errors.MaxPayloadError):
+        await bus.js.publish(subject, b"x" * (limit + 1))
+    with pytest.raises(PublishFailed, match=rf"{limit + 1} bytes exceed the server's max_payload \({limit}\)"):
+        await bus.publisher.publish_raw(subject, b"x" * (limit + 1), {})
+    assert time.monotonic() - started < 1.0  # refused by the client, not a wait for an ack that never comes
+    big = f.prompt(bus.run, 0, text="y" * (2 * limit))
+    await bus.publish("prompts", big)  # the claim check never exceeds max_payload, whatever the config says
+    raw = await bus.js.get_msg(bus.topology.stream("prompts").name, 1)
+    assert raw.headers[CLAIM] == digest_of(encode(big)) and not raw.data
+    assert await read_all(bus, "prompts") == [big]
 
 
 async def test_blob_round_trip_sizes(bus):

@@ -3,7 +3,7 @@ import asyncio
 import msgpack
 import pytest
 
-from relax_bus.control import Drop, Retry, Skip
+from relax_bus.control import Drop, Reject, Retry, Skip
 from relax_bus.worker import Worker, WorkerOptions
 from schemas import DeadLetter, PromptGroup, RunEvent, encode
 from tests import factories as f
@@ -174,3 +174,18 @@ async def test_a_message_whose_worker_died_on_its_last_delivery_is_reaped(make_b
     assert letter.reason.startswith("not settled after 2 deliveries") and letter.stream_seq == 1
     assert (await bus.js.stream_info(bus.topology.stream("prompts").name)).state.messages == 0
     assert worker.counters.processed == 0
+
+
+async def test_reject_dead_letters_at_once_with_the_reason(bus):
+    await publish_prompts(bus, 2)
+
+    async def strict(prompt, delivery):
+        if prompt.group_id == "g0":
+            raise Reject("prompt g0 can never be generated")
+        return f.rollout(prompt)
+
+    counters = await rollout_worker(bus, strict).run(until_empty=True)
+    assert (counters.dead_lettered, counters.processed, counters.retried, counters.failed) == (1, 1, 0, 0)
+    (letter,) = await read_all(bus, "dlq")
+    assert letter.reason == "prompt g0 can never be generated" and letter.deliveries == 1
+    assert (await consumer_state(bus)).num_ack_pending == 0

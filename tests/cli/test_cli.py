@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,35 @@ def test_unreachable_nats_is_one_line(tmp_path):
     result = relax("init", cfg, "--nats-url", f"nats://127.0.0.1:{port}")
     assert_one_line_error(result, f"cannot reach NATS at nats://127.0.0.1:{port}")
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_worker_with_unreachable_nats_is_one_line_in_bounded_time():
+    # A worker retries its first connection for connect_retry_s (default 60 s: a server that starts later).
+    port = free_port()
+    started = time.monotonic()
+    result = relax(
+        "worker", "rollout", "--nats-url", f"nats://127.0.0.1:{port}", "--run", "x", env={"RELAX_CONNECT_RETRY_S": "1"}
+    )
+    assert_one_line_error(result, f"cannot reach NATS at nats://127.0.0.1:{port} (ConnectionRefusedError")
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert 1.0 <= time.monotonic() - started < 45  # 60 s and more without the setting
+
+
+def test_run_with_unreachable_nats_is_one_line(tmp_path):
+    cfg = write_config(tmp_path, "run: away\nmodel: {source: 'tiny:64x2'}\n")
+    port = free_port()
+    result = relax("run", cfg, "--nats-url", f"nats://127.0.0.1:{port}", "--run-dir", str(tmp_path / "run"), timeout=90)
+    assert_one_line_error(result, f"cannot reach NATS at nats://127.0.0.1:{port}")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_worker_for_a_role_the_run_does_not_have(nats_server, tmp_path):
+    cfg = write_config(tmp_path, "run: noref\nroles: {reference: 2}\n")
+    assert relax("init", cfg, "--nats-url", nats_server.url).returncode == 0
+    result = relax("worker", "reference", "--run", "noref", "--nats-url", nats_server.url)
+    assert_one_line_error(
+        result, "run noref has no reference role (trainer.kl_coef is 0); its roles: feeder, rollout, reward, actor"
+    )
 
 
 def test_inspect_unknown_run(nats_server):

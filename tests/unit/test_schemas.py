@@ -172,3 +172,14 @@ def test_invalid_fields_are_named():
     del raw["run"]
     with pytest.raises(InvalidMessage, match=r"invalid prompt_group message: .*run: Field required.*n_samples"):
         decode(msgpack.packb(raw, use_bin_type=True))
+
+
+def test_invalid_utf8_in_a_string_is_named():
+    data = encode(f.prompt("r1", text="@@@")).replace(b"@@@", b"\xff\xed\xa0")
+    with pytest.raises(MalformedPayload, match="has a string that is not valid UTF-8: 'utf-8' codec can't decode"):
+        decode(data)
+
+
+def test_a_lone_surrogate_cannot_be_encoded():
+    with pytest.raises(InvalidMessage, match=r"prompt_group message cannot be encoded: .*'\\udcff' at position 1"):
+        encode(f.prompt("r1", text="a\udcffb"))

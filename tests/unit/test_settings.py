@@ -2,6 +2,7 @@ import pytest
 
 from relax_bus.errors import ConfigError
 from relax_bus.settings import ConnectionSettings, incompatible_changes, load_run_config, parse_run_config
+from relax_bus.topology import build_topology
 
 
 def test_minimal_config_gets_defaults():
@@ -82,3 +83,59 @@ def test_connection_settings_from_environment(monkeypatch):
 def test_tls_cert_needs_key():
     with pytest.raises(ValueError, match="given together"):
         ConnectionSettings(tls_cert_file="/c.pem")
+
+
+def test_wrong_types_and_out_of_range_values_are_named():
+    with pytest.raises(ConfigError) as info:
+        parse_run_config(
+            {
+                "run": "r1",
+                "groups_per_step": 0,
+                "samples_per_group": 1.5,
+                "staleness": {"max_staleness": -1, "max_requeues": "twice"},
+                "rollout": {"engine": "tensorrt", "temperature": 0, "top_p": 1.5, "batch_groups": []},
+                "trainer": {"steps": "many", "kl_coef": -0.1},
+                "roles": {"rollout": -1},
+            }
+        )
+    problems = "\n".join(info.value.problems)
+    assert len(info.value.problems) == 11, problems
+    for what in (
+        "groups_per_step: Input should be greater than or equal to 1 (got 0)",
+        "samples_per_group: Input should be a valid integer, got a number with a fractional part (got 1.5)",
+        "staleness.max_staleness: Input should be greater than or equal to 0 (got -1)",
+        "staleness.max_requeues: Input should be a valid integer",
+        "rollout.engine: Input should be 'torch', ",  # the list of engines follows
+        "(got 'tensorrt')",
+        "rollout.temperature: Input should be greater than 0",
+        "rollout.top_p: Input should be less than or equal to 1",
+        "rollout.batch_groups: Input should be a valid integer",
+        "trainer.steps: Input should be a valid integer",
+        "trainer.kl_coef: Input should be greater than or equal to 0",
+        "roles.rollout: Input should be greater than or equal to 0",
+    ):
+        assert what in problems
+
+
+def test_more_contradictions_are_explained():
+    with pytest.raises(ConfigError, match=r"tis_low \(2\.0\) must be below tis_high \(2\.0\)"):
+        parse_run_config({"run": "r1", "trainer": {"tis_low": 2.0}})
+    with pytest.raises(ConfigError, match=r"hop_max_msgs \(1\) is smaller than groups_per_step \(2\)"):
+        parse_run_config({"run": "r1", "groups_per_step": 2, "bus": {"hop_max_msgs": 1}})
+
+
+def test_reference_workers_without_kl_coef_are_not_in_the_chain():
+    """roles.reference only counts when trainer.kl_coef > 0; `relax worker reference` is refused otherwise."""
+    off = build_topology(parse_run_config({"run": "r1", "roles": {"reference": 3}}))
+    assert [r.name for r in off.roles] == ["feeder", "rollout", "reward", "actor"]
+    assert off.role("reward").output == "train"
+    on = build_topology(parse_run_config({"run": "r1", "trainer": {"kl_coef": 0.1}, "roles": {"reference": 0}}))
+    assert on.role("reward").output == "scored" and on.role("reference").output == "train"
+
+
+def test_connection_retry_is_bounded_by_a_setting(monkeypatch):
+    assert ConnectionSettings().connect_retry_s == 60.0
+    monkeypatch.setenv("RELAX_CONNECT_RETRY_S", "0")
+    assert ConnectionSettings().connect_retry_s == 0.0
+    with pytest.raises(ValueError, match="connect_retry_s"):
+        ConnectionSettings(connect_retry_s=-1)

@@ -22,6 +22,15 @@ def hangs(completion: str, answer: str | None, finish_reason: str) -> float:
     return 1.0
 
 
+def picky(completion: str, answer: str | None, finish_reason: str) -> float:
+    """Raises on "boom", hangs on "hang", else 1.0 when the completion is the answer."""
+    if completion == "boom":
+        raise ValueError("cannot score 'boom'")
+    if completion == "hang":
+        time.sleep(1000)
+    return float(completion == answer)
+
+
 def components(completion: str, answer: str | None, finish_reason: str) -> dict[str, float]:
     """Two named parts: correctness and brevity."""
     return {"correct": float(completion.strip() == answer), "short": 0.5 if len(completion) < 5 else 0.0}
@@ -33,3 +42,8 @@ def not_a_number(completion: str, answer: str | None, finish_reason: str) -> str
 
 
 NOT_CALLABLE = 3
+
+
+def length_credit(completion: str, answer: str | None, finish_reason: str) -> float:
+    """Longer completions score more: a signal an untrained model already varies on."""
+    return len(completion) / 8.0

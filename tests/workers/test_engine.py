@@ -101,7 +101,7 @@ def test_materialize_rejects_bad_sources_clearly(tmp_path: Path, monkeypatch: py
 
 def test_make_engine_knows_torch_and_names_engines_for_unknown(model_dir: Path) -> None:
     assert isinstance(make_engine("torch", model_dir), TorchEngine)
-    with pytest.raises(ValueError, match="unknown engine 'vllm9'; known engines: torch"):
+    with pytest.raises(ValueError, match="unknown engine 'vllm9'; known engines: sim, torch"):
         make_engine("vllm9", model_dir)
 
 

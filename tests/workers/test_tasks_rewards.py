@@ -145,6 +145,15 @@ def test_jsonl_caps_the_report_at_20(tmp_path):
     assert "and 5 more" in str(info.value)
 
 
+def test_jsonl_refuses_a_lone_surrogate_that_no_message_could_carry(tmp_path):
+    file = tmp_path / "odd.jsonl"
+    file.write_text('{"prompt": "ok \\u00e9\\u0000"}\n{"prompt": "a\\udcffb"}\n{"prompt": "x", "answer": "\\ud800"}\n')
+    with pytest.raises(ValueError, match=r"2 bad line\(s\)") as info:
+        load_task({"type": "jsonl", "path": str(file)})
+    assert "line 2: holds '\\udcff', a lone surrogate" in str(info.value)
+    assert "line 3: holds '\\ud800', a lone surrogate" in str(info.value)
+
+
 def test_jsonl_missing_file(tmp_path):
     with pytest.raises(ValueError, match="cannot be read"):
         load_task({"type": "jsonl", "path": str(tmp_path / "nope.jsonl")})

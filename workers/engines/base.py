@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 ENGINES: dict[str, str] = {
     "torch": "workers.engines.torch_engine:TorchEngine",
     "vllm": "workers.engines.vllm_engine:VllmEngine",
+    "sim": "workers.engines.sim_engine:SimEngine",
 }
 
 
@@ -56,6 +57,8 @@ class Engine(Protocol):
 
     name: str
     version: int
+    max_context: int | None
+    """Most tokens (prompt plus response) one sequence may hold; None when the model sets no bound."""
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSettings) -> list[list[Generated]]:
         """Sample n completions for each prompt (token ids, bos included): one inner list per prompt."""
@@ -70,11 +73,11 @@ class Engine(Protocol):
         ...
 
 
-def make_engine(kind: str, model_dir: Path, device: str = "cpu") -> Engine:
-    """Create the engine registered under `kind` for the model in `model_dir`."""
+def make_engine(kind: str, model_dir: Path, device: str = "cpu", **options: Any) -> Engine:
+    """Create the engine registered under `kind` for the model in `model_dir` (`options` go to its constructor)."""
     if kind not in ENGINES:
         raise ValueError(f"unknown engine {kind!r}; known engines: {', '.join(sorted(ENGINES))}")
     module_name, class_name = ENGINES[kind].split(":")
     engine_class = getattr(importlib.import_module(module_name), class_name)
-    engine: Engine = engine_class(model_dir=Path(model_dir), device=device)
+    engine: Engine = engine_class(model_dir=Path(model_dir), device=device, **options)
     return engine

@@ -32,6 +32,7 @@ class TorchEngine:
         self.model = load_model(model_dir, dtype=dtype).to(self.device)
         self.tokenizer = load_tokenizer(model_dir)
         self.version = 0
+        self.max_context: int | None = getattr(self.model.config, "max_position_embeddings", None)
         self._tokens = 0
         eos = self.model.generation_config.eos_token_id
         if eos is None:

@@ -73,6 +73,7 @@ class VllmEngine:
         self.tied = bool(config.get("tie_word_embeddings", False))
         self.expected_weights = _checkpoint_names(model_dir)
         self.version = 0
+        self.max_context: int | None = min(max_model_len, int(config.get("max_position_embeddings", max_model_len)))
         self.last_reload_s = 0.0
         self._tokens = 0
         self._lock = threading.Lock()  # one engine call at a time: the rollout calls it from worker threads
@@ -84,7 +85,7 @@ class VllmEngine:
                 model=str(model_dir),
                 dtype="float32",
                 enforce_eager=True,
-                max_model_len=min(max_model_len, int(config.get("max_position_embeddings", max_model_len))),
+                max_model_len=self.max_context,
                 seed=seed,
                 logprobs_mode="processed_logprobs",
             )

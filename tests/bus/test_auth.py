@@ -1,0 +1,443 @@
+"""Per-role credentials (`relax_bus.auth`) against a real nats-server started from the generated config.
+
+A permission violation reaches a client only as a timeout plus an error callback, so every
+connection here records its errors: allowed work must leave none, refused work must leave exactly
+the violation it provoked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+import pytest
+from nats.aio.client import Client as NATS
+
+from relax_bus import blobs
+from relax_bus.auth import permissions
+from relax_bus.blobs import BlobStore
+from relax_bus.bus import Bus
+from relax_bus.connection import connect
+from relax_bus.credentials import Bundle, write_bundle
+from relax_bus.errors import CredentialsExist, NatsServerNotFound, NatsUnreachable, PermissionDenied, PublishFailed
+from relax_bus.heartbeat import live_workers
+from relax_bus.inspect import gather
+from relax_bus.outage import through_outage
+from relax_bus.provision import provision
+from relax_bus.server import EmbeddedServer
+from relax_bus.settings import ConnectionSettings, RunConfig
+from relax_bus.state_keys import FEEDER_CURSOR, POLICY_VERSION, TRAINER_DONE, TRAINER_STEP
+from relax_bus.topology import build_topology
+from relax_bus.version import VersionTracker
+from relax_bus.worker import Delivery, Worker, WorkerOptions
+from schemas import PromptGroup, RolloutGroup
+from tests import factories as f
+from tests.bus.test_publish import read_all
+from tests.conftest import REQUIRE_NATS, run_config
+
+pytestmark = pytest.mark.bus
+
+VIOLATION = "permissions violation"
+
+
+@dataclass
+class Secured:
+    """A server started from `relax auth`'s files, and the connections a test opened on it."""
+
+    server: EmbeddedServer
+    bundle: Bundle
+    config: RunConfig
+    opened: list[NATS] = field(default_factory=list)
+    errors: dict[str, list[str]] = field(default_factory=dict)
+
+    def settings(self, role: str) -> ConnectionSettings:
+        """The role's settings as a process gets them: from its credentials file."""
+        return ConnectionSettings(_env_file=self.bundle.env_files[role], nats_url=[self.server.url])  # type: ignore[call-arg]
+
+    async def connect(self, role: str, name: str | None = None) -> NATS:
+        """A connection as `role` whose server errors land in `self.errors[name or role]`."""
+        errors = self.errors.setdefault(name or role, [])
+        cred = self.bundle.credentials[role]
+
+        async def record(err: Exception) -> None:
+            errors.append(str(err))
+
+        nc = await nats.connect(
+            self.server.url,
+            user=cred.user,
+            password=cred.password,
+            inbox_prefix=cred.inbox_prefix,
+            error_cb=record,
+            max_reconnect_attempts=1,
+        )
+        self.opened.append(nc)
+        return nc
+
+    async def bus(self, role: str, name: str | None = None) -> Bus:
+        return await Bus.attach(await self.connect(role, name), self.config.run)
+
+    def violations(self, name: str) -> list[str]:
+        return [e.lower() for e in self.errors.get(name, []) if VIOLATION in e.lower()]
+
+
+def violation(kind: str, subject: str) -> str:
+    """The error nats-py reports (lower-cased) when the server refuses a publish or subscription."""
+    return f'nats: {VIOLATION} for {kind} to "{subject}"'.lower()
+
+
+def server_from(bundle: Bundle, store_dir: Path) -> EmbeddedServer:
+    """A nats-server started from the bundle's config, on a free loopback port and a temp store."""
+    try:
+        server = EmbeddedServer(config_file=bundle.server_conf, store_dir=store_dir)
+    except NatsServerNotFound as err:
+        if REQUIRE_NATS:
+            pytest.fail(f"nats-server is required here but missing: {err}")
+        pytest.skip(str(err))
+    return server.start()
+
+
+@pytest.fixture
+async def secured(tmp_path: Path) -> AsyncIterator[Secured]:
+    config = run_config(
+        task={"type": "addition", "options": {"seed": 5}},
+        trainer={"steps": 2, "checkpoint_every": 1},
+        staleness={"max_staleness": 1},
+    )
+    # No store dir in the config: EmbeddedServer passes its own (-sd), and a free port (-p).
+    bundle = write_bundle(config, tmp_path / "auth", store_dir=None)
+    server = server_from(bundle, tmp_path / "nats")
+    s = Secured(server, bundle, config)
+    try:
+        yield s
+    finally:
+        for nc in s.opened:
+            await nc.close()
+        server.cleanup()
+
+
+async def provisioned(s: Secured) -> Bus:
+    """Provision the run as the admin, through `connect` and the admin's credentials file."""
+    nc = await connect(s.settings("admin"), name="admin")
+    s.opened.append(nc)
+    await provision(nc.jetstream(timeout=10.0), s.config)
+    return await Bus.attach(nc, s.config.run)
+
+
+def test_permissions_follow_the_topology():
+    t = build_topology(run_config(run="r1", trainer={"kl_coef": 0.1}))
+    rollout, actor, reward = (permissions(t, r) for r in ("rollout", "actor", "reward"))
+    assert "relax.r1.rollouts" in rollout.publish and "relax.r1.train" not in rollout.publish
+    assert "relax.r1.scored" in reward.publish and "relax.r1.train" not in reward.publish
+    assert "$JS.API.CONSUMER.RESET.RELAX_r1_TRAIN.actor" in actor.publish
+    assert not any("RESET" in p for p in rollout.publish)
+    assert "$KV.relax_r1_state.policy.version" in actor.publish
+    assert not any(p.startswith("$KV.relax_r1_state.") for p in rollout.publish)
+    assert "$O.relax_r1_weights.>" in actor.publish and "$O.relax_r1_weights.>" not in rollout.publish
+    for role in ("feeder", "rollout", "reward", "reference", "actor", "observer"):
+        p = permissions(t, role)
+        assert not any(".STREAM.CREATE." in x or ".STREAM.DELETE." in x or "DURABLE" in x for x in p.publish), role
+        assert p.subscribe[0] == f"_INBOX.r1-{role}.>"
+    assert "$JS.API.STREAM.*.RELAX_r1_PROMPTS" in permissions(t, "admin").publish
+
+
+def test_bundle_files_are_private_and_not_overwritten(tmp_path):
+    config = run_config()
+    bundle = write_bundle(config, tmp_path / "auth")
+    assert set(bundle.env_files) == {"feeder", "rollout", "reward", "actor", "admin", "observer"}
+    for path in (bundle.server_conf, bundle.auth_conf, *bundle.env_files.values()):
+        assert path.stat().st_mode & 0o777 == 0o600, path
+    cred = bundle.credentials["rollout"]
+    assert cred.password not in bundle.auth_conf.read_text() or not bundle.hashed
+    env = ConnectionSettings(_env_file=bundle.env_files["rollout"])  # type: ignore[call-arg]
+    assert (env.user, env.password, env.inbox_prefix) == (cred.user, cred.password, cred.inbox_prefix)
+    with pytest.raises(CredentialsExist, match="--force"):
+        write_bundle(config, tmp_path / "auth")
+    again = write_bundle(config, tmp_path / "auth", force=True)
+    assert again.credentials["rollout"].password != cred.password
+
+
+async def test_admin_provisions_and_observer_only_looks(secured):
+    s = secured
+    admin = await provisioned(s)
+    report = await provision(admin.js, s.config)
+    assert not report.created and not report.updated  # the admin sees everything it made
+    observer = await s.connect("observer")
+    info = await gather(observer.jetstream(timeout=10.0), s.config.run)
+    assert info["run"] == s.config.run and len(info["consumers"]) == 3
+    assert s.violations("observer") == []
+    with pytest.raises(nats.errors.TimeoutError):
+        await observer.jetstream(timeout=1.0).publish(admin.topology.subject("prompts"), b"x")
+    assert s.violations("observer") == [violation("publish", admin.topology.subject("prompts"))]
+    with pytest.raises(NatsUnreachable, match="Authorization Violation"):
+        await connect(s.settings("observer").model_copy(update={"password": "wrong"}))
+
+
+async def test_rollout_consumes_prompts_reads_weights_and_version_and_beats(secured):
+    s = secured
+    admin = await provisioned(s)
+    feeder = await s.bus("feeder")
+    for i in range(3):
+        await feeder.publish("prompts", f.prompt(s.config.run, i))
+    actor = await s.bus("actor")
+    await actor.weights.put("v0", b"weights-of-v0")
+    await actor.version.advance(0, 0)
+
+    rollout = await s.bus("rollout")
+    tracker = await VersionTracker(rollout.version, poll_s=0.2).start()
+    assert await asyncio.wait_for(tracker.wait_for(0), 5) == 0
+    beats: list[list[str]] = []
+
+    async def generate(prompt: PromptGroup, delivery: Delivery) -> RolloutGroup:
+        assert await rollout.weights.get("v0") == b"weights-of-v0"
+        beats.append([b.role for b in await live_workers(admin.workers)])
+        return f.rollout(prompt)
+
+    worker = Worker(rollout, "rollout", generate, PromptGroup, WorkerOptions(fetch_timeout_s=0.2))
+    counters = await worker.run(until_empty=True)
+    await tracker.stop()
+    assert counters.processed == 3 and counters.published == 3
+    assert sorted(m.prompt.group_id for m in await read_all(admin, "rollouts")) == ["g0", "g1", "g2"]
+    assert beats and all(b == ["rollout"] for b in beats)  # its heartbeat was there while it worked
+    for role in ("feeder", "actor", "rollout"):
+        assert s.errors[role] == [], (role, s.errors[role])
+
+
+async def test_rollout_cannot_write_what_is_not_its_own(secured, monkeypatch):
+    s = secured
+    admin = await provisioned(s)
+    t = admin.topology
+    revision = await (await s.bus("actor")).version.advance(0, 0)
+    nc = await s.connect("rollout")
+    js = nc.jetstream(timeout=1.0)
+    run = s.config.run
+
+    async def refused(operation: Any, subject: str, kind: str = "publish", error: type = nats.errors.TimeoutError):
+        before = len(s.violations("rollout"))
+        with pytest.raises(error):
+            await operation
+        assert s.violations("rollout")[before:] == [violation(kind, subject)]
+
+    await refused(js.publish(t.subject("train"), b"x"), t.subject("train"))
+    state = await js.key_value(t.bucket("state"))
+    # The raw compare-and-set: PolicyVersion.advance would retry a refused write as if NATS were away.
+    await refused(state.update(POLICY_VERSION, b"7", last=revision), f"$KV.{t.bucket('state')}.{POLICY_VERSION}")
+    monkeypatch.setattr(blobs, "ACK_TIMEOUT_S", 1.0)
+    weights = BlobStore(js, t.object_store("weights"), 1 << 20)
+    before = len(s.violations("rollout"))
+    with pytest.raises(PublishFailed):
+        await weights.put("v9", b"not weights")
+    assert violation("publish", f"$O.{t.object_store('weights')}.C.")[:-1] in s.violations("rollout")[before]
+    assert await admin.weights.info("v9") is None
+    prompts = t.stream("prompts").name
+    await refused(js.delete_stream(prompts), f"$JS.API.STREAM.DELETE.{prompts}")
+    await refused(js.add_consumer(prompts, durable_name="sneaky"), f"$JS.API.CONSUMER.DURABLE.CREATE.{prompts}.sneaky")
+    rollouts = t.stream("rollouts").name
+    reward_input = await js.pull_subscribe_bind("reward", rollouts)
+    await refused(reward_input.fetch(1, timeout=1.0), f"$JS.API.CONSUMER.MSG.NEXT.{rollouts}.reward")
+    await refused(
+        (await js.key_value(t.bucket("workers"))).put("actor.fake", b"{}"), f"$KV.{t.bucket('workers')}.actor.fake"
+    )
+    # Ordered readers may create consumers on the weights store, but only ephemeral ones.
+    weights_stream = f"OBJ_{t.object_store('weights')}"
+    ask = {"stream_name": weights_stream, "config": {"durable_name": "sneaky", "ack_policy": "explicit"}}
+    answer = await nc.request(f"$JS.API.CONSUMER.CREATE.{weights_stream}", json.dumps(ask).encode(), timeout=2)
+    assert json.loads(answer.data)["error"]["err_code"] == 10020  # "consumer expected to be ephemeral"
+    other_inbox = f"_INBOX.{run}-actor.>"
+    await nc.subscribe(other_inbox)
+    await nc.flush()
+    await asyncio.sleep(0.2)
+    assert s.violations("rollout")[-1] == violation("subscription", other_inbox)
+    # Nothing moved: the stream is there, the version is what the actor wrote.
+    assert (await admin.js.stream_info(prompts)).config.name == prompts
+    assert await admin.version.get() == (0, revision)
+
+
+class FakeTrainer:
+    """The actor's trainer interface without a model: a counter for weights, JSON for checkpoints."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def warmup(self, items: list[Any]) -> dict[str, float]:
+        return {"warmup_steps": 0.0, "warmup_accuracy": 0.0}
+
+    def step(self, groups: list[Any]) -> dict[str, float]:
+        self.steps += 1
+        rewards = [r for g in groups for r in g.scored.rewards]
+        return {"reward_mean": sum(rewards) / len(rewards), "loss": 0.0}
+
+    def full_state(self) -> dict[str, Any]:
+        import torch
+
+        return {"w": torch.full((4,), float(self.steps))}
+
+    def load_full(self, state: dict[str, Any]) -> None:
+        self.steps = int(state["w"][0])
+
+    def checkpoint_bytes(self, extra: dict[str, Any]) -> bytes:
+        return json.dumps({"steps": self.steps, "extra": extra}).encode()
+
+    def restore(self, data: bytes) -> dict[str, Any]:
+        saved = json.loads(data)
+        self.steps = saved["steps"]
+        return dict(saved["extra"])
+
+
+async def test_a_tiny_run_under_per_role_credentials(secured):
+    """Feeder, rollout (fake generation, real weight and version reads), reward and the actor's loop
+    (fake trainer), each on its own connection as its own user; then a restarted actor rewinds."""
+    pytest.importorskip("torch")
+    from workers.actor import Actor
+    from workers.feeder import feed
+    from workers.reward import reward_worker
+    from workers.weights import ObjectStoreTransport
+
+    s = secured
+    admin = await provisioned(s)
+    stop = asyncio.Event()
+    feeder = await s.bus("feeder")
+    feeding = asyncio.create_task(feed(feeder, stop))
+
+    rollout = await s.bus("rollout")
+    tracker = await VersionTracker(rollout.version, poll_s=0.2).start()
+    transport = ObjectStoreTransport(rollout)
+
+    async def generate(prompt: PromptGroup, delivery: Delivery) -> RolloutGroup:
+        version = await tracker.wait_for(0)
+        state = await transport.fetch(version)
+        assert float(state["w"][0]) == version
+        return f.rollout(prompt, version)
+
+    workers = [
+        Worker(rollout, "rollout", generate, PromptGroup, WorkerOptions(fetch_timeout_s=0.2, grace_s=2)),
+        reward_worker(await s.bus("reward"), WorkerOptions(fetch_timeout_s=0.2, grace_s=2)),
+    ]
+    running = [asyncio.create_task(w.run()) for w in workers]
+    actor_bus = await s.bus("actor")
+    actor = Actor(actor_bus, FakeTrainer(), ObjectStoreTransport(actor_bus))  # type: ignore[arg-type]
+    try:
+        await actor.setup([])
+        assert await asyncio.wait_for(actor.run(stop), 60) == s.config.trainer.steps
+        assert await asyncio.wait_for(feeding, 10) >= s.config.trainer.steps * s.config.groups_per_step
+    finally:
+        stop.set()
+        for w in workers:
+            w.stop()
+        await asyncio.gather(*running, return_exceptions=True)
+        await tracker.stop()
+        if not feeding.done():
+            feeding.cancel()
+    assert int((await admin.state.get(TRAINER_STEP)).value or 0) == 2
+    assert (await admin.state.get(TRAINER_DONE)).value == b"2"
+    assert int((await admin.state.get(FEEDER_CURSOR)).value or 0) >= 4
+    assert (await admin.version.get())[0] == 2
+
+    restarted_bus = await s.bus("actor", name="actor-restarted")
+    restarted = Actor(restarted_bus, FakeTrainer(), ObjectStoreTransport(restarted_bus))  # type: ignore[arg-type]
+    await restarted.setup([])  # resumes from the checkpoint: rewinds the train durable
+    assert restarted.state.step == 2
+    for name, errors in s.errors.items():
+        assert errors == [], (name, errors)
+
+
+def self_signed(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A CA and a server certificate for 127.0.0.1 signed by it: (ca, cert, key) PEM files."""
+    pytest.importorskip("cryptography")
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def build(subject: str, issuer: str, key: Any, signer: Any, ca: bool) -> x509.Certificate:
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(signer.public_key()), critical=False)
+        )
+        if ca:
+            usage = dict.fromkeys(("content_commitment", "key_encipherment", "data_encipherment"), False)
+            b = b.add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    key_agreement=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                    **usage,
+                ),
+                critical=True,
+            )
+        else:
+            b = b.add_extension(
+                x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False
+            ).add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        return b.sign(signer, hashes.SHA256())
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = build("relax test CA", "relax test CA", ca_key, ca_key, ca=True)
+    cert = build("127.0.0.1", "relax test CA", key, ca_key, ca=False)
+    paths = tmp_path / "ca.pem", tmp_path / "server.pem", tmp_path / "server-key.pem"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return paths
+
+
+async def test_tls_with_the_ca_connects_and_without_it_is_refused(tmp_path):
+    ca, cert, key = self_signed(tmp_path)
+    config = run_config()
+    bundle = write_bundle(config, tmp_path / "auth", store_dir=None, tls=(cert, key), tls_ca_file=ca)
+    assert bundle.nats_url.startswith("tls://")
+    server = server_from(bundle, tmp_path / "nats")
+    try:
+        settings = ConnectionSettings(  # type: ignore[call-arg]
+            _env_file=bundle.env_files["admin"], nats_url=[f"tls://127.0.0.1:{server.port}"]
+        )
+        assert settings.tls_ca_file == ca.resolve()
+        nc = await connect(settings, name="tls-admin")
+        try:
+            report = await provision(nc.jetstream(timeout=10.0), config)
+            assert len(report.created) == 13
+        finally:
+            await nc.close()
+        without_ca = settings.model_copy(update={"tls_ca_file": None, "connect_timeout_s": 1.0})
+        with pytest.raises(NatsUnreachable, match="certificate verify failed"):
+            await connect(without_ca, name="tls-no-ca")
+    finally:
+        server.cleanup()
+
+
+async def test_a_refused_write_fails_at_once_with_the_reason(secured):
+    """A refused permission looks like a timeout to nats-py: the bus must not mistake it for an outage."""
+    s = secured
+    admin = await provisioned(s)
+    revision = await (await s.bus("actor")).version.advance(0, 0)
+    nc = await connect(s.settings("rollout"), name="rollout")
+    s.opened.append(nc)
+    rollout = await Bus.attach(nc, s.config.run)
+    with pytest.raises(PermissionDenied, match="permissions violation"):
+        await rollout.version.advance(1, revision)
+    with pytest.raises(PermissionDenied, match="permissions violation"):
+        await through_outage(lambda: rollout.state.put(TRAINER_STEP, b"9"), "write trainer.step")
+    assert await admin.version.get() == (0, revision)

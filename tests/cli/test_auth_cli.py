@@ -1,0 +1,69 @@
+"""`relax auth` as a user runs it: files written once, a server started from them, init and inspect as
+the admin and the observer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from relax_bus.errors import NatsServerNotFound
+from relax_bus.server import find_nats_server, free_port, wait_for_port
+from tests.cli.test_cli import assert_one_line_error, relax, write_config
+from tests.conftest import REQUIRE_NATS
+
+pytestmark = pytest.mark.cli
+
+
+def env_file(path: Path) -> dict[str, str]:
+    lines = [line for line in path.read_text().splitlines() if line and not line.startswith("#")]
+    return dict(line.split("=", 1) for line in lines)
+
+
+def test_auth_writes_private_files_once_and_the_server_enforces_them(tmp_path):
+    try:
+        binary = find_nats_server()
+    except NatsServerNotFound as err:
+        if REQUIRE_NATS:
+            pytest.fail(str(err))
+        pytest.skip(str(err))
+    cfg = write_config(tmp_path, "run: clauth\n")
+    out, port = tmp_path / "auth", free_port()
+    args = ("auth", cfg, "--out", str(out), "--port", str(port), "--store-dir", str(tmp_path / "js"))
+    first = relax(*args)
+    assert first.returncode == 0, first.stderr
+    assert "run clauth: 6 NATS users written" in first.stdout and "bcrypt" in first.stdout
+    files = sorted(p.name for p in out.iterdir())
+    assert files == sorted(
+        [
+            "nats-server.conf",
+            "auth.conf",
+            *(f"{r}.env" for r in ("feeder", "rollout", "reward", "actor", "admin", "observer")),
+        ]
+    )
+    assert all((out / f).stat().st_mode & 0o777 == 0o600 for f in files)
+    rollout = env_file(out / "rollout.env")
+    assert rollout["RELAX_USER"] == "clauth-rollout" and rollout["RELAX_INBOX_PREFIX"] == "_INBOX.clauth-rollout"
+    assert rollout["RELAX_PASSWORD"] not in (out / "auth.conf").read_text()  # only its bcrypt hash is there
+
+    assert_one_line_error(relax(*args), "already holds", "--force")
+    assert relax(*args, "--force").returncode == 0
+    assert env_file(out / "rollout.env")["RELAX_PASSWORD"] != rollout["RELAX_PASSWORD"]
+
+    proc = subprocess.Popen(
+        [str(binary), "-c", str(out / "nats-server.conf")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        wait_for_port("127.0.0.1", port, 10, proc)
+        url = f"nats://127.0.0.1:{port}"
+        assert_one_line_error(relax("init", cfg, "--nats-url", url), "Authorization Violation")
+        init = relax("init", cfg, "--nats-url", url, env=env_file(out / "admin.env"))
+        assert init.returncode == 0 and "13 created" in init.stdout, init.stderr
+        shown = relax("inspect", "clauth", "--nats-url", url, "--json", env=env_file(out / "observer.env"))
+        assert shown.returncode == 0 and '"run": "clauth"' in shown.stdout, shown.stderr
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=15)

@@ -1,0 +1,56 @@
+"""`relax replay`: a step recomputed from the checkpoint before it reproduces the logged loss."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from relax_bus.settings import parse_run_config
+from tests.e2e.cluster import small_config
+from tests.e2e.test_pipeline import run, run_id
+from workers.errors import ReplayFailed
+from workers.replay import replay
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+
+LENGTH = {"type": "python", "options": {"function": "tests.workers.reward_fns:length_credit"}}
+
+
+async def test_replay_reproduces_the_logged_loss(nats_server, tmp_path):
+    config = parse_run_config(
+        small_config(
+            run_id(),
+            rollout={"max_new_tokens": 6, "batch_groups": 4},
+            rewards=[LENGTH],
+            trainer={"steps": 6, "checkpoint_every": 2, "keep_checkpoints": 2, "kl_coef": 0.05},
+        )
+    )
+    cluster = await run(nats_server, tmp_path, config)
+    try:
+        bus = cluster.bus
+        assert bus is not None
+        names = sorted(n for n in await bus.weights.names() if n.startswith("ckpt-"))
+        assert names == ["ckpt-0", "ckpt-4", "ckpt-6"], names  # step 0 and the newest two
+        exact = await replay(bus, 5, tmp_path / "replay")  # straight from ckpt-4
+        assert exact.checkpoint_step == 4 and exact.replayed_steps == []
+        assert abs(exact.logged["loss"]) > 1e-4, exact.logged  # a real loss, not a degenerate zero
+        assert exact.matches(), exact.as_dict()
+        assert exact.recomputed["reward_mean"] == exact.logged["reward_mean"]
+        # From the step-0 checkpoint, re-applying steps 1-3 on their recorded groups first.
+        far = await replay(bus, 4, tmp_path / "replay")
+        assert far.checkpoint_step == 0 and far.replayed_steps == [1, 2, 3]
+        assert far.matches(), far.as_dict()
+        with pytest.raises(ReplayFailed, match="no complete record of step 9"):
+            await replay(bus, 9, tmp_path / "replay")
+
+        cli = [sys.executable, "-m", "relax_bus.cli", "replay", config.run, "--nats-url", nats_server.url]
+        work = ["--work-dir", str(tmp_path / "replay")]
+        done = subprocess.run([*cli, "--step", "6", *work], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert "loss reproduced" in done.stdout and "from checkpoint of step 4" in done.stdout, done.stdout
+        bad = subprocess.run([*cli, "--step", "0", *work], capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and bad.stderr.startswith("relax: error: ") and "step 0" in bad.stderr, bad.stderr
+    finally:
+        await cluster.stop()
