@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 VLLM_STAMP := $(VENV)/.vllm-$(shell sha1sum pyproject.toml | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: install vllm install-vllm lint test test-unit test-bus test-e2e bench demo clean
+.PHONY: install vllm install-vllm lint test test-unit test-bus test-e2e test-compose bench demo clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,8 +47,20 @@ test-bus: install
 test-e2e: install
 	$(VENV)/bin/pytest -m e2e $(PYTEST_ARGS)
 
+# The compose files, and a real `up` of the image with Podman (root; skips without Podman unless CI=true
+# or RELAX_REQUIRE_CONTAINERS=1). `make test` runs these too. Prepare a host with .ci/containers.sh.
+test-compose: install
+	$(VENV)/bin/pytest -m compose $(PYTEST_ARGS)
+
+# Every benchmark in turn (~20 min on 2 cores); each prints a table and writes benchmarks/results/<name>.json.
+# engine_throughput.py needs vLLM: `make vllm`, then run it by hand.
 bench: install
 	$(PY) benchmarks/bus_throughput.py
+	$(PY) benchmarks/weights_sync.py
+	$(PY) benchmarks/bus_overhead.py
+	$(PY) benchmarks/scale.py
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/modes.py
+	$(PY) benchmarks/cluster_sim.py
 
 # A fresh learning run every time: the previous demo's run directory (and its NATS store) goes first.
 demo: install
