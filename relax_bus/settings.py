@@ -177,6 +177,11 @@ class RunConfig(BaseModel):
                 f"bus.hop_max_msgs ({self.bus.hop_max_msgs}) is smaller than groups_per_step "
                 f"({self.groups_per_step}): a step could never be assembled"
             )
+        if self.bus.max_ack_pending < self.groups_per_step:
+            raise ValueError(
+                f"bus.max_ack_pending ({self.bus.max_ack_pending}) is smaller than groups_per_step "
+                f"({self.groups_per_step}): the trainer holds a whole step unacked, so it would wait forever"
+            )
         return self
 
 

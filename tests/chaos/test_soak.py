@@ -31,7 +31,7 @@ async def test_soak_keeps_memory_and_queues_bounded(nats_server, tmp_path):
             staleness={"max_staleness": staleness},
             roles={"rollout": 3, "reward": 2},
             trainer={"steps": 100_000, "checkpoint_every": 20},
-            bus={"max_ack_pending": 2},
+            bus={"max_ack_pending": per_step},  # the least a step needs: the actor holds one
         )
     )
     cluster = await Cluster.start(nats_server.url, config, tmp_path)
@@ -49,7 +49,7 @@ async def test_soak_keeps_memory_and_queues_bounded(nats_server, tmp_path):
     finally:
         await cluster.stop()
     SOAK_TABLES.append(
-        samples.table(f"soak: {SOAK_S:g}s, {steps} steps, rollout x3, reward x2, max_ack_pending 2, max_staleness 2")
+        samples.table(f"soak: {SOAK_S:g}s, {steps} steps, rollout x3, reward x2, max_ack_pending 4, max_staleness 2")
     )
     assert steps > 10, f"only {steps} steps in {SOAK_S:g}s"
     # The credit rule admits at most (S + 1) * B groups beyond the trained ones: no hop can hold more.

@@ -66,7 +66,7 @@ def test_unreadable_and_non_mapping_files(tmp_path):
 
 def test_incompatible_changes_ignore_tunables():
     a = parse_run_config({"run": "r1"})
-    b = parse_run_config({"run": "r1", "bus": {"max_ack_pending": 7, "ack_wait_s": 90}})
+    b = parse_run_config({"run": "r1", "bus": {"max_ack_pending": 70, "ack_wait_s": 90}})
     assert incompatible_changes(a, b) == []
     c = parse_run_config({"run": "r1", "groups_per_step": 3, "staleness": {"max_staleness": 0}})
     changes = incompatible_changes(a, c)
@@ -122,6 +122,8 @@ def test_more_contradictions_are_explained():
         parse_run_config({"run": "r1", "trainer": {"tis_low": 2.0}})
     with pytest.raises(ConfigError, match=r"hop_max_msgs \(1\) is smaller than groups_per_step \(2\)"):
         parse_run_config({"run": "r1", "groups_per_step": 2, "bus": {"hop_max_msgs": 1}})
+    with pytest.raises(ConfigError, match=r"max_ack_pending \(2\) is smaller than groups_per_step \(4\)"):
+        parse_run_config({"run": "r1", "groups_per_step": 4, "bus": {"max_ack_pending": 2}})
 
 
 def test_reference_workers_without_kl_coef_are_not_in_the_chain():
