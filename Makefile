@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 VLLM_STAMP := $(VENV)/.vllm-$(shell sha1sum pyproject.toml | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: install vllm install-vllm lint test test-unit test-bus test-e2e test-compose bench demo clean
+.PHONY: test-chaos install vllm install-vllm lint test test-unit test-bus test-e2e test-compose bench demo clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,10 @@ test-bus: install
 
 test-e2e: install
 	$(VENV)/bin/pytest -m e2e $(PYTEST_ARGS)
+
+# SIGKILL of every role, of nats-server and of a cluster's stream leader; soak (RELAX_SOAK_S, default 90)
+test-chaos: install
+	$(VENV)/bin/pytest -m chaos $(PYTEST_ARGS)
 
 # The compose files, and a real `up` of the image with Podman (root; skips without Podman unless CI=true
 # or RELAX_REQUIRE_CONTAINERS=1). `make test` runs these too. Prepare a host with .ci/containers.sh.
