@@ -6,7 +6,7 @@ the server denies everything else; `relax_bus.credentials` writes them into a se
 auth`). Beyond reading the run config and KV, and writing its own heartbeats, dead letters and
 events, each user may:
 
-    feeder     publish prompts; write feeder.cursor
+    feeder     publish prompts; write feeder.cursor; follow dead letters (to replace their groups)
     rollout    pull prompts, publish rollouts; read weights, watch policy.version
     reward     pull rollouts, publish scored (train when the run has no reference role)
     reference  pull scored, publish train; read weights, watch policy.version
@@ -57,11 +57,13 @@ class Grants:
     """Runs the bus's worker loop, which dead-letters (reads, then deletes) unsettled input messages."""
     resets_consumer: bool = False
     """Rewinds its own durable after a restart (`js.reset_consumer`)."""
+    reads_dead_letters: bool = False
+    """Follows the dlq stream (the feeder replaces dead-lettered groups)."""
 
 
 # One entry per role; the topology says what each consumes and where its output goes.
 GRANTS = {
-    "feeder": Grants(state_keys=(FEEDER_CURSOR,), reaps=False),
+    "feeder": Grants(state_keys=(FEEDER_CURSOR,), reaps=False, reads_dead_letters=True),
     "rollout": Grants(reads_weights=True, watches_version=True),
     "reward": Grants(),
     "reference": Grants(reads_weights=True, watches_version=True),
@@ -137,6 +139,8 @@ def permissions(topology: Topology, role: str) -> Permissions:
         pub += _ordered_reader(f"KV_{state}")
     if g.reads_weights:
         pub += _reads_store(weights)
+    if g.reads_dead_letters:
+        pub += _ordered_reader(t.stream("dlq").name)
     if g.writes_weights:
         pub += [f"$O.{weights}.>", f"{API}.STREAM.PURGE.OBJ_{weights}"]
     return Permissions(tuple(dict.fromkeys(pub)), tuple(dict.fromkeys(sub)))

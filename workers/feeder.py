@@ -1,7 +1,9 @@
 """The feeder role: releases prompt groups under the staleness credit rule.
 
 It may have released at most `(v + max_staleness + 1) * groups_per_step + dropped` groups
-(`relax_bus.staleness.release_budget`), and never more than `steps * groups_per_step + dropped`. It
+(`relax_bus.staleness.release_budget`), and never more than `steps * groups_per_step + dropped`, where
+`dropped` counts the groups the trainer dropped as stale and those a stage dead-lettered
+(`workers.dead_credit`). It
 stays until the trainer marks the run done: a group dropped late (after a trainer restart, say) must
 still be replaced. Its cursor (groups released so far) lives in KV, so a restarted feeder continues
 where it stopped; a group republished after a crash carries the same `Nats-Msg-Id` and is
@@ -20,6 +22,7 @@ from relax_bus.stale_filter import read_counter
 from relax_bus.staleness import releasable
 from relax_bus.state_keys import FEEDER_CURSOR, GROUPS_DROPPED, TRAINER_DONE
 from schemas import PromptGroup
+from workers.dead_credit import DeadLetterCredit
 from workers.tasks import TaskItem, load_task
 
 log = get_logger(__name__)
@@ -55,11 +58,24 @@ async def feed(bus: Bus, stop: asyncio.Event) -> int:
     released, cursor_rev = await through_outage(lambda: read_counter(bus.state, CURSOR_KEY), "read feeder cursor")
     target = cfg.trainer.steps * cfg.groups_per_step
     log.info("feeder_started", items=len(items), released=released, target=target)
+    dead = await DeadLetterCredit(bus).start()
+    try:
+        return await _release(bus, stop, items, released, cursor_rev, dead)
+    finally:
+        await dead.stop()
+
+
+async def _release(
+    bus: Bus, stop: asyncio.Event, items: list[TaskItem], released: int, cursor_rev: int, dead: DeadLetterCredit
+) -> int:
+    cfg = bus.config
+    target = cfg.trainer.steps * cfg.groups_per_step
     covered = False
     while not stop.is_set():
-        done, version, dropped = await through_outage(lambda: _snapshot(bus), "read run state")
+        done, version, stale = await through_outage(lambda: _snapshot(bus), "read run state")
         if done:
             break
+        dropped = stale + len(dead)  # groups that will never train: each is replaced
         need = target + dropped - released
         if need <= 0 and not covered:
             log.info("feeder_covered", released=released, dropped=dropped)

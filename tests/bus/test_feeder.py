@@ -7,7 +7,7 @@ import pytest
 
 from relax_bus.stale_filter import read_counter
 from relax_bus.state_keys import FEEDER_CURSOR, GROUPS_DROPPED, TRAINER_DONE
-from schemas import PromptGroup
+from schemas import DeadLetter, PromptGroup, encode
 from tests.bus.test_publish import read_all
 from workers.feeder import feed
 
@@ -73,3 +73,28 @@ async def test_feeder_stops_on_request_and_resumes_from_its_cursor(make_bus):
     assert await asyncio.wait_for(again, 10) == 6
     prompts = [m for m in await read_all(bus, "prompts") if isinstance(m, PromptGroup)]
     assert [p.release_index for p in prompts] == list(range(6))
+
+
+async def test_a_dead_lettered_group_is_replaced_and_garbage_earns_nothing(make_bus):
+    bus = await make_bus(
+        groups_per_step=2,
+        staleness={"max_staleness": "unbounded"},
+        task={"type": "addition", "options": {"seed": 3}},
+        trainer={"steps": 1},
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(feed(bus, stop))
+    try:
+        await wait_cursor(bus, 2)
+        first = next(m for m in await read_all(bus, "prompts") if isinstance(m, PromptGroup))
+        letter = DeadLetter(run=bus.run, reason="test", source_subject="x", payload=encode(first))
+        garbage = DeadLetter(run=bus.run, reason="test", source_subject="x", payload=b"\x00garbage")
+        await bus.publish("dlq", garbage)
+        await bus.publish("dlq", letter)
+        await bus.publish("dlq", letter)  # the same group twice is one credit
+        await wait_cursor(bus, 3)
+        await asyncio.sleep(0.6)
+        assert (await read_counter(bus.state, FEEDER_CURSOR))[0] == 3
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
