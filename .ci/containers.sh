@@ -7,12 +7,18 @@
 #
 #   .ci/containers.sh            # prepare; then: PC=$(.ci/containers.sh | tail -1)
 #
-# RELAX_LOCAL_CONTAINERS points at local-containers.sh (default: ../shared/tools/ next to the clone).
+# RELAX_LOCAL_CONTAINERS points at local-containers.sh; otherwise it is looked for in shared/tools/
+# beside the clone, then in the workspace's /work/shared/tools/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-LC=${RELAX_LOCAL_CONTAINERS:-../shared/tools/local-containers.sh}
-[ -x "$LC" ] || { echo "containers: $LC not found (set RELAX_LOCAL_CONTAINERS)" >&2; exit 1; }
+LC=${RELAX_LOCAL_CONTAINERS:-}
+if [ -z "$LC" ]; then
+    for candidate in ../shared/tools/local-containers.sh /work/shared/tools/local-containers.sh; do
+        if [ -x "$candidate" ]; then LC=$candidate; break; fi
+    done
+fi
+[ -n "$LC" ] && [ -x "$LC" ] || { echo "containers: local-containers.sh not found (set RELAX_LOCAL_CONTAINERS)" >&2; exit 1; }
 [ "$(id -u)" = 0 ] || { echo "containers: run as root (rootful Podman)" >&2; exit 1; }
 
 # crun refuses hybrid cgroup hosts (v1 hierarchies plus a v2 one that holds controllers):
