@@ -6,7 +6,7 @@ the server denies everything else; `relax_bus.credentials` writes them into a se
 auth`). Beyond reading the run config and KV, and writing its own heartbeats, dead letters and
 events, each user may:
 
-    feeder     publish prompts; write feeder.cursor; follow dead letters (to replace their groups)
+    feeder     publish prompts; write feeder.cursor; watch policy.version; follow dead letters
     rollout    pull prompts, publish rollouts; read weights, watch policy.version
     reward     pull rollouts, publish scored (train when the run has no reference role)
     reference  pull scored, publish train; read weights, watch policy.version
@@ -63,7 +63,7 @@ class Grants:
 
 # One entry per role; the topology says what each consumes and where its output goes.
 GRANTS = {
-    "feeder": Grants(state_keys=(FEEDER_CURSOR,), reaps=False, reads_dead_letters=True),
+    "feeder": Grants(state_keys=(FEEDER_CURSOR,), reaps=False, reads_dead_letters=True, watches_version=True),
     "rollout": Grants(reads_weights=True, watches_version=True),
     "reward": Grants(),
     "reference": Grants(reads_weights=True, watches_version=True),

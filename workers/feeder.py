@@ -21,6 +21,7 @@ from relax_bus.outage import is_transient, through_outage
 from relax_bus.stale_filter import read_counter
 from relax_bus.staleness import releasable
 from relax_bus.state_keys import FEEDER_CURSOR, GROUPS_DROPPED, TRAINER_DONE
+from relax_bus.version import VersionTracker
 from schemas import PromptGroup
 from workers.dead_credit import DeadLetterCredit
 from workers.tasks import TaskItem, load_task
@@ -59,14 +60,22 @@ async def feed(bus: Bus, stop: asyncio.Event) -> int:
     target = cfg.trainer.steps * cfg.groups_per_step
     log.info("feeder_started", items=len(items), released=released, target=target)
     dead = await DeadLetterCredit(bus).start()
+    tracker = await through_outage(VersionTracker(bus.version).start, "watch policy version")
     try:
-        return await _release(bus, stop, items, released, cursor_rev, dead)
+        return await _release(bus, stop, items, released, cursor_rev, dead, tracker)
     finally:
+        await tracker.stop()
         await dead.stop()
 
 
 async def _release(
-    bus: Bus, stop: asyncio.Event, items: list[TaskItem], released: int, cursor_rev: int, dead: DeadLetterCredit
+    bus: Bus,
+    stop: asyncio.Event,
+    items: list[TaskItem],
+    released: int,
+    cursor_rev: int,
+    dead: DeadLetterCredit,
+    tracker: VersionTracker,
 ) -> int:
     cfg = bus.config
     target = cfg.trainer.steps * cfg.groups_per_step
@@ -83,7 +92,7 @@ async def _release(
         allowed = releasable(released, version, cfg.staleness.max_staleness, cfg.groups_per_step, dropped)
         n = max(0, min(need, cfg.groups_per_step if allowed is None else allowed, cfg.groups_per_step))
         if n == 0:
-            await _sleep(stop, POLL_S)
+            await _wait(stop, tracker.changed, POLL_S)  # a new policy version wakes it at once
             continue
         subject = bus.topology.subject("prompts")
         groups = [group_for(bus, items, released + i, version) for i in range(n)]
@@ -131,8 +140,10 @@ async def _advance_cursor(bus: Bus, old: int, new: int, revision: int) -> int:
             raise VersionConflict(f"feeder cursor moved under this feeder ({old} -> {current}): a second feeder?")
 
 
-async def _sleep(stop: asyncio.Event, seconds: float) -> None:
-    try:
-        await asyncio.wait_for(stop.wait(), seconds)
-    except TimeoutError:
-        pass
+async def _wait(stop: asyncio.Event, changed: asyncio.Event, seconds: float) -> None:
+    """Until `stop` or `changed` is set, or `seconds` pass."""
+    changed.clear()
+    waits = [asyncio.create_task(stop.wait()), asyncio.create_task(changed.wait())]
+    await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()

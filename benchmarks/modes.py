@@ -1,0 +1,418 @@
+"""Staleness modes on the demo task: max_staleness 0, 1, 2 and unbounded next to a colocated baseline.
+
+    python benchmarks/modes.py [--steps 120] [--modes 0,1,2,unbounded] [--threshold 0.6] [--last 10]
+                               [--long] [--work-dir runs/bench-modes] [--out FILE]
+
+Same task (examples/demo.yaml: single-digit addition, 32 groups x 8 samples per step), same model
+and seed, same step budget. The demo's supervised warm-up runs once, in this process, and every run
+starts from the weights it leaves (so no run spends time on it). Then, one after another:
+- colocated synchronous baseline: generate, score, train and copy the weights into the engine, in one
+  process with the machine's 2 threads, no bus (TorchEngine + PolicyTrainer + the reward scorer);
+- phase times with 1 thread each, in this process (what a rollout worker and the actor get in a run);
+- one run per max_staleness with the real launcher (`relax run`'s `launch`: an embedded nats-server,
+  every role a `relax worker` process with one thread);
+- the colocated baseline once more; the faster of its two runs counts (two threads on two cores
+  stall whenever another process takes a core, so it is the run a shared machine disturbs most).
+The overlap bound of this machine is T_colocated_step / max(T_generate@1, T_train@1): the colocated
+run's mean step over the mean generation (per step) and training time of the rollout worker and the
+actor in the runs. Medians of the in-process phase times give a second reading (one that load on a
+shared machine disturbs less), and with 2 threads per phase the bound disjoint devices would have.
+Per run: wall time of steps 1..N, steps/hour, time from step 1 until the 5-step moving average of the
+reward reaches --threshold, final reward (mean of the last --last steps), lag histogram, dropped and
+requeued groups, trainer idle (data wait / step time, from the actor's Metric), rollout idle
+(1 - generation seconds of the groups trained in steps 2..N / wall time of steps 2..N), and the
+trainer's own bus time (decode and judge, acks, weight publish) per step. Rates exclude step 1 (start-up).
+Prints a table, writes JSON and a PNG of reward against wall time for every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from pipeline import read_train_groups, write_results
+
+from relax_bus import log
+from relax_bus.bus import Bus
+from relax_bus.connection import connect
+from relax_bus.server import EmbeddedServer
+from relax_bus.settings import ConnectionSettings, RunConfig, load_run_config
+from schemas import PromptGroup, RolloutGroup, RunEvent, Sample, TrainGroup, WireTensor, decode
+from workers.engines.base import SamplingSettings
+from workers.engines.torch_engine import TorchEngine
+from workers.launcher import launch
+from workers.models import materialize
+from workers.reward import make_scorer_from, score_group
+from workers.tasks import TaskItem, load_task, prompt_text
+from workers.trainer import PolicyTrainer
+
+DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo.yaml"
+
+
+def mode_config(base: RunConfig, mode: str, warm: Path, steps: int) -> RunConfig:
+    data = base.model_dump()
+    data["run"] = f"modes-s{mode}"
+    data["staleness"]["max_staleness"] = mode
+    data["model"]["source"] = str(warm)
+    data["trainer"].update(steps=steps, checkpoint_every=steps)
+    data["trainer"]["warmup"]["max_steps"] = 0
+    return RunConfig.model_validate(data)
+
+
+def warm_start(base: RunConfig, work: Path) -> tuple[Path, dict[str, float]]:
+    """Run the demo's supervised warm-up once and save the weights it leaves as a model directory."""
+    torch.set_num_threads(1)  # as the actor does it (two threads stall on a shared two-core machine)
+    model_dir = materialize(base.model.source, work / "base", base.model.seed)
+    trainer = PolicyTrainer(model_dir, base)
+    info = trainer.warmup(load_task({"type": base.task.type, **base.task.options}))
+    warm = work / "warm"
+    trainer.model.save_pretrained(warm, safe_serialization=True)
+    trainer.tokenizer.save_pretrained(warm)
+    return warm, info
+
+
+class Colocated:
+    """Generate, score, train, load: one process, no bus."""
+
+    def __init__(self, config: RunConfig, model_dir: Path) -> None:
+        self.config = config
+        self.engine = TorchEngine(model_dir)
+        self.trainer = PolicyTrainer(model_dir, config)
+        self.scorer = make_scorer_from(config)
+        self.items = load_task({"type": config.task.type, **config.task.options})
+        r = config.rollout
+        self.sampling = SamplingSettings(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
+        self.released = 0
+
+    def step(self, version: int) -> dict[str, float]:
+        cfg, tok = self.config, self.trainer.tokenizer
+        prompts = [self._prompt(self.released + i, version) for i in range(cfg.groups_per_step)]
+        self.released += len(prompts)
+        ids = [[tok.bos_token_id, *tok.encode(prompt_text(p.parts), add_special_tokens=False)] for p in prompts]
+        t0 = time.perf_counter()
+        outputs = self.engine.generate(ids, cfg.samples_per_group, self.sampling)
+        t1 = time.perf_counter()
+        groups = [
+            TrainGroup(scored=score_group(self.scorer, rollout_group(p, i, out, version)))
+            for p, i, out in zip(prompts, ids, outputs, strict=True)
+        ]
+        t2 = time.perf_counter()
+        metrics = self.trainer.step(groups)
+        t3 = time.perf_counter()
+        self.engine.load_state_dict(self.trainer.full_state(), version + 1)
+        t4 = time.perf_counter()
+        return {
+            "reward_mean": metrics["reward_mean"],
+            "gen_s": t1 - t0,
+            "score_s": t2 - t1,
+            "train_s": t3 - t2,
+            "sync_s": t4 - t3,
+            "step_s": t4 - t0,
+        }
+
+    def _prompt(self, index: int, version: int) -> PromptGroup:
+        epoch, row = divmod(index, len(self.items))
+        item: TaskItem = self.items[row]
+        return PromptGroup(
+            run="colocated",
+            group_id=f"e{epoch}-i{item.index}",
+            parts=item.parts,
+            answer=item.answer,
+            n_samples=self.config.samples_per_group,
+            release_index=index,
+            released_at_version=version,
+            epoch=epoch,
+            index=item.index,
+            task=item.task,
+        )
+
+    def close(self) -> None:
+        self.scorer.close()
+
+
+def rollout_group(prompt: PromptGroup, ids: list[int], samples: list[Any], version: int) -> RolloutGroup:
+    return RolloutGroup(
+        prompt=prompt,
+        prompt_token_ids=WireTensor.from_values(ids, "int32"),
+        samples=tuple(
+            Sample(
+                token_ids=WireTensor.from_values(g.token_ids, "int32"),
+                logprobs=WireTensor.from_values(g.logprobs, "float32"),
+                text=g.text,
+                finish_reason=g.finish_reason,
+            )
+            for g in samples
+        ),
+        policy_version=version,
+    )
+
+
+def run_colocated(config: RunConfig, warm: Path, steps: int, threads: int) -> list[dict[str, float]]:
+    torch.set_num_threads(threads)
+    colocated = Colocated(config, warm)
+    rows = []
+    try:
+        for step in range(1, steps + 1):
+            rows.append({"step": float(step), **colocated.step(step - 1), "at": time.time()})
+    finally:
+        colocated.close()
+    return rows
+
+
+def phase_times(config: RunConfig, warm: Path, steps: int, threads: int) -> dict[str, float]:
+    """Median generate and train seconds of a demo step with `threads` torch threads (fresh weights)."""
+    rows = run_colocated(config, warm, steps + 1, threads)[1:]  # the first call pays one-off set-up costs
+    return {key: statistics.median(r[key] for r in rows) for key in ("gen_s", "score_s", "train_s", "sync_s")}
+
+
+async def run_mode(config: RunConfig, run_dir: Path) -> dict[str, Any]:
+    """One run with the real launcher; returns its metrics, its step records and the rollout timings."""
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: the previous invocation's store would resume it
+    run_dir.mkdir(parents=True)  # noqa: ASYNC240 - a benchmark, nothing else runs meanwhile
+    with EmbeddedServer(store_dir=run_dir / "nats") as server, open(run_dir / "progress.log", "w") as out:  # noqa: ASYNC230
+        started = time.time()
+        summary = await launch(config, run_dir, server.url, out)
+        nc = await connect(ConnectionSettings(nats_url=[server.url]), name="bench-modes")
+        try:
+            bus = await Bus.attach(nc, config.run)
+            groups = await read_train_groups(bus)
+            steps = await step_records(bus)
+        finally:
+            await nc.close()
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {"summary": summary, "started": started, "metrics": metrics, "groups": groups, "steps": steps}
+
+
+async def step_records(bus: Bus) -> dict[int, list[str]]:
+    """step -> ids of the groups it trained, from the actor's step_trained events."""
+    stream = bus.topology.stream("events").name
+    total = int((await bus.js.stream_info(stream)).state.messages or 0)
+    sub = await bus.js.subscribe(bus.topology.subject("events"), ordered_consumer=True)
+    out: dict[int, list[str]] = {}
+    try:
+        for _ in range(total):
+            event = decode((await sub.next_msg(timeout=10)).data)
+            if isinstance(event, RunEvent) and event.event == "step_trained":
+                out[int(event.fields["step"])] = str(event.fields["groups"]).split(",")  # type: ignore[arg-type]
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
+def label(mode: str) -> str:
+    return "unbounded" if mode == "unbounded" else f"staleness {mode}"
+
+
+def moving_average(values: list[float], window: int = 5) -> list[float]:
+    return [statistics.fmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
+
+
+def summarise(name: str, rows: list[dict[str, float]], args: argparse.Namespace) -> dict[str, Any]:
+    """Rates and rewards shared by every run (rows: one per step with at, reward_mean)."""
+    first, last = rows[0], rows[-1]
+    wall = last["at"] - first["at"]
+    smooth = moving_average([r["reward_mean"] for r in rows])
+    reached = next((r["at"] - first["at"] for r, s in zip(rows, smooth, strict=True) if s >= args.threshold), None)
+    return {
+        "mode": name,
+        "steps": len(rows),
+        "wall_s": wall,
+        "steps_per_hour": (len(rows) - 1) / wall * 3600,
+        "time_to_threshold_s": reached,
+        "reward_final": statistics.fmean(r["reward_mean"] for r in rows[-args.last :]),
+        "reward_first": statistics.fmean(r["reward_mean"] for r in rows[: args.last]),
+    }
+
+
+def summarise_bus(name: str, run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    rows = run["metrics"]
+    out = summarise(name, rows, args)
+    later = rows[1:]
+    step_s = sum(m["step_s"] for m in later)
+    lags: collections.Counter[int] = collections.Counter()
+    for m in rows:
+        for key, value in m.items():
+            if key.startswith("lag_") and key[4:].isdigit():
+                lags[int(key[4:])] += int(value)
+    by_id = {g.group_id: g for g in run["groups"]}
+    trained_later = [gid for step, ids in run["steps"].items() if step >= 2 for gid in ids]
+    calls = {(by_id[g].scored.rollout.worker_id, by_id[g].scored.rollout.timings.generate_s) for g in trained_later}
+    generate_s = sum(seconds for _, seconds in calls)
+    last = rows[-1]
+    out.update(
+        startup_s=rows[0]["at"] - run["started"],
+        lag_histogram={str(k): v for k, v in sorted(lags.items())},
+        dropped=int(last["dropped"]),
+        requeued=int(last["requeued"]),
+        trainer_idle=sum(m["data_wait_s"] for m in later) / step_s,
+        data_wait_s=statistics.fmean(m["data_wait_s"] for m in later),
+        rollout_idle=1 - generate_s / out["wall_s"],
+        train_s=statistics.fmean(m["train_s"] for m in later),
+        generate_per_step_s=generate_s / max(1, len(later)),
+        trainer_bus_frac=sum(m["admit_s"] + m["ack_s"] + m["weight_sync_s"] for m in later) / step_s,
+    )
+    return out
+
+
+def draw(runs: dict[str, list[dict[str, float]]], target: Path, threshold: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, rows in runs.items():
+        t0 = rows[0]["at"]
+        ax.plot([r["at"] - t0 for r in rows], moving_average([r["reward_mean"] for r in rows]), label=name)
+    ax.axhline(threshold, color="grey", linewidth=0.8, linestyle=":")
+    ax.set_xlabel("seconds since the first optimizer step")
+    ax.set_ylabel("reward (moving average of 5 steps)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title("demo task: reward against wall time per staleness mode")
+    fig.tight_layout()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(target, dpi=100)
+    plt.close(fig)
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(args.work_dir)
+    base = load_run_config(DEMO)
+    started = time.perf_counter()
+    warm, warm_info = await asyncio.to_thread(warm_start, base, work)
+    print(f"warm-up: {warm_info['warmup_steps']:.0f} supervised steps, accuracy {warm_info['warmup_accuracy']:.2f}")
+    config = mode_config(base, "0", warm, args.steps)
+    colocated = await asyncio.to_thread(run_colocated, config, warm, args.steps, 2)
+    print(f"colocated: {colocated[-1]['at'] - colocated[0]['at']:.1f}s", flush=True)
+    phases = {
+        "2 threads": {
+            k: statistics.median(r[k] for r in colocated[1:]) for k in ("gen_s", "score_s", "train_s", "sync_s")
+        },
+        "1 thread": await asyncio.to_thread(phase_times, config, warm, args.phase_steps, 1),
+    }
+    torch.set_num_threads(1)  # this process now only follows the runs
+    results: list[dict[str, Any]] = []
+    curves: dict[str, list[dict[str, float]]] = {}
+    for mode in args.modes:
+        run = await run_mode(mode_config(base, mode, warm, args.steps), work / f"s{mode}")
+        row = summarise_bus(label(mode), run, args)
+        results.append(row)
+        curves[f"max_staleness {mode}"] = run["metrics"]
+        print(f"{row['mode']}: {row['wall_s']:.1f}s, reward {row['reward_final']:.2f}", flush=True)
+    # Two threads on two cores stall whenever another process takes a core: the colocated run is the one
+    # most disturbed by load on a shared machine, so it runs again after the others and the faster counts.
+    torch.set_num_threads(2)
+    again = await asyncio.to_thread(run_colocated, config, warm, args.steps, 2)
+    torch.set_num_threads(1)
+    walls = [rows[-1]["at"] - rows[0]["at"] for rows in (colocated, again)]
+    print(f"colocated again: {walls[1]:.1f}s", flush=True)
+    colocated = colocated if walls[0] <= walls[1] else again
+    results.insert(0, {**summarise("colocated", colocated, args), "walls_s": walls})
+    curves = {"colocated (2 threads, no bus)": colocated, **curves}
+    # Throughput is a mean, so the bound is made of means: the colocated run's step, and generation and
+    # training as the rollout worker and the actor (one thread each) did them in the runs above.
+    coloc_mean = statistics.fmean(r["step_s"] for r in colocated[1:])
+    coloc_median = statistics.median(r["step_s"] for r in colocated[1:])
+    piped = results[1:]
+    gen1 = statistics.fmean(r["generate_per_step_s"] for r in piped) if piped else phases["1 thread"]["gen_s"]
+    train1 = statistics.fmean(r["train_s"] for r in piped) if piped else phases["1 thread"]["train_s"]
+    one, two = phases["1 thread"], phases["2 threads"]
+    bound = {
+        "colocated_step_s": coloc_mean,
+        "colocated_step_median_s": coloc_median,
+        "gen_1thread_s": gen1,
+        "train_1thread_s": train1,
+        "overlap_bound": coloc_mean / max(gen1, train1),
+        "overlap_bound_medians": coloc_median / max(one["gen_s"], one["train_s"]),
+        "disjoint_devices_bound": coloc_median / max(two["gen_s"], two["train_s"]),
+    }
+    on_policy = next((r for r in results if r["mode"] == label("0")), None)
+    for r in results:
+        r["speedup_vs_colocated"] = r["steps_per_hour"] / results[0]["steps_per_hour"]
+        r["speedup_vs_staleness_0"] = r["steps_per_hour"] / on_policy["steps_per_hour"] if on_policy else None
+    draw(curves, Path(args.plot), args.threshold)
+    return {
+        "settings": {k: v for k, v in vars(args).items()},
+        "warmup": warm_info,
+        "phases": phases,
+        "bound": bound,
+        "rows": results,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def lag_text(histogram: dict[str, int]) -> str:
+    """`lag:groups` pairs, or mean and max when there are many lags (the whole histogram is in the JSON)."""
+    if len(histogram) <= 4:
+        return " ".join(f"{k}:{v}" for k, v in histogram.items()) or "-"
+    total = sum(histogram.values())
+    mean = sum(int(k) * v for k, v in histogram.items()) / total
+    return f"{len(histogram)} lags, mean {mean:.1f}, max {max(int(k) for k in histogram)}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=120, help="optimizer steps per run (default 120)")
+    p.add_argument("--long", action="store_true", help="250 steps per run, as in the demo")
+    p.add_argument("--modes", default="0,1,2,unbounded", help="max_staleness values (default 0,1,2,unbounded)")
+    p.add_argument("--threshold", type=float, default=0.6, help="reward for time-to-threshold (default 0.6)")
+    p.add_argument("--last", type=int, default=10, help="steps averaged for the final reward (default 10)")
+    p.add_argument("--phase-steps", type=int, default=8, help="steps timed for the 1-thread phases (default 8)")
+    p.add_argument("--work-dir", default="runs/bench-modes", help="run directories (metrics, logs, stores)")
+    p.add_argument("--plot", default=str(Path(__file__).parent / "results" / "modes_reward.png"))
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "modes.json"))
+    args = p.parse_args()
+    if args.long:
+        args.steps = 250
+    args.modes = [m.strip() for m in args.modes.split(",")]
+    log.configure("warning")
+    result = asyncio.run(bench(args))
+
+    rows, b = result["rows"], result["bound"]
+    header = (
+        f"{'mode':11} {'wall s':>7} {'steps/h':>8} {'vs coloc':>8} {'vs s=0':>7} {'t->' + str(args.threshold):>7} "
+        f"{'reward':>6} {'drop/req':>8} {'trainer idle':>12} {'rollout idle':>12} {'bus':>6}  lag histogram"
+    )
+    print(header)
+    print("-" * (len(header) + 10))
+    for r in rows:
+        reached = f"{r['time_to_threshold_s']:.1f}" if r["time_to_threshold_s"] is not None else "-"
+        vs0 = f"{r['speedup_vs_staleness_0']:.2f}x" if r["speedup_vs_staleness_0"] else "-"
+        hist = lag_text(r.get("lag_histogram", {}))
+        extra = (
+            f"{r['dropped']:>3}/{r['requeued']:<4} {r['trainer_idle']:12.1%} {r['rollout_idle']:12.1%} "
+            f"{r['trainer_bus_frac']:6.1%}"
+            if "trainer_idle" in r
+            else f"{'-':>8} {'-':>12} {'-':>12} {'-':>6}"
+        )
+        print(
+            f"{r['mode']:11} {r['wall_s']:7.1f} {r['steps_per_hour']:8.0f} {r['speedup_vs_colocated']:7.2f}x "
+            f"{vs0:>7} {reached:>7} {r['reward_final']:6.2f} {extra}  {hist}"
+        )
+    print(
+        f"\noverlap bound of this machine: colocated step {b['colocated_step_s'] * 1e3:.0f} ms (2 threads, mean) / "
+        f"max(generate {b['gen_1thread_s'] * 1e3:.0f} ms, train {b['train_1thread_s'] * 1e3:.0f} ms) as the rollout "
+        f"worker and the actor did them in the runs (1 thread each) = {b['overlap_bound']:.2f}x; from medians of "
+        f"an in-process measurement: {b['overlap_bound_medians']:.2f}x (1 thread each), "
+        f"{b['disjoint_devices_bound']:.2f}x (2 threads each, i.e. disjoint devices)"
+    )
+    print(
+        f"{args.steps} steps per run; wall and rates from step 1 to the last; reward = mean of the last {args.last} "
+        f"steps; t->{args.threshold} = seconds from step 1 until the 5-step average reaches it; bus = the trainer's "
+        f"decode/judge + acks + weight publish per step; plot: {args.plot}"
+    )
+    write_results("modes", Path(args.out), result)
+
+
+if __name__ == "__main__":
+    main()
