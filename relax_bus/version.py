@@ -166,12 +166,19 @@ class VersionTracker:
         return self.value
 
     async def wait_for(self, minimum: int) -> int:
-        """Wait until the version is at least `minimum`; return it."""
+        """Wait until the version is at least `minimum`; return it.
+
+        Does not rely on the watcher alone: every `poll_s` without news it reads the version itself,
+        and a watcher task that died raises its error here instead of leaving the caller waiting.
+        """
         while self.value < minimum:
+            if self._task is not None and self._task.done() and not self._task.cancelled():
+                self._task.result()  # re-raises what stopped the watcher
             self.changed.clear()
-            if self.value >= minimum:
-                break
-            await self.changed.wait()
+            try:
+                await asyncio.wait_for(self.changed.wait(), self.poll_s)
+            except TimeoutError:
+                await self.refresh()
         return self.value
 
     async def stop(self) -> None:

@@ -11,12 +11,15 @@ from pathlib import Path
 import torch
 
 from relax_bus.bus import Bus
+from relax_bus.log import get_logger
 from relax_bus.version import VersionTracker
 from relax_bus.worker import Delivery, Worker, WorkerOptions
 from schemas import ScoredGroup, TrainGroup, WireTensor
 from workers.logprobs import response_logprobs
 from workers.models import load_model, materialize
 from workers.weights import make_transport
+
+log = get_logger(__name__)
 
 
 async def reference_worker(bus: Bus, cache_dir: Path, options: WorkerOptions | None = None) -> Worker[ScoredGroup]:
@@ -25,11 +28,13 @@ async def reference_worker(bus: Bus, cache_dir: Path, options: WorkerOptions | N
     model_dir = await asyncio.to_thread(materialize, cfg.model.source, cache_dir / "base", cfg.model.seed)
     model = await asyncio.to_thread(load_model, model_dir)
     tracker = await VersionTracker(bus.version).start()
+    log.info("reference_waiting_for_v0")
     await tracker.wait_for(0)  # the actor publishes v0 after its warm-up
     await tracker.stop()
     state = await make_transport(bus).fetch(0)
     model.load_state_dict(state)
     model.eval()
+    log.info("reference_ready", model=str(model_dir))
     temperature = cfg.rollout.temperature
 
     def compute(group: ScoredGroup) -> TrainGroup:
