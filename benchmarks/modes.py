@@ -45,13 +45,15 @@ from relax_bus.bus import Bus
 from relax_bus.connection import connect
 from relax_bus.server import EmbeddedServer
 from relax_bus.settings import ConnectionSettings, RunConfig, load_run_config
-from schemas import PromptGroup, RolloutGroup, RunEvent, Sample, TrainGroup, WireTensor, decode
+from schemas import PromptGroup, RolloutGroup, RunEvent, TrainGroup, WireTensor, decode
 from workers.engines.base import SamplingSettings
 from workers.engines.torch_engine import TorchEngine
+from workers.feeder import group_for
 from workers.launcher import launch
 from workers.models import materialize
 from workers.reward import make_scorer_from, score_group
-from workers.tasks import TaskItem, load_task, prompt_text
+from workers.rollout import sample_of
+from workers.tasks import load_task, prompt_text
 from workers.trainer import PolicyTrainer
 
 DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo.yaml"
@@ -119,20 +121,7 @@ class Colocated:
         }
 
     def _prompt(self, index: int, version: int) -> PromptGroup:
-        epoch, row = divmod(index, len(self.items))
-        item: TaskItem = self.items[row]
-        return PromptGroup(
-            run="colocated",
-            group_id=f"e{epoch}-i{item.index}",
-            parts=item.parts,
-            answer=item.answer,
-            n_samples=self.config.samples_per_group,
-            release_index=index,
-            released_at_version=version,
-            epoch=epoch,
-            index=item.index,
-            task=item.task,
-        )
+        return group_for("colocated", self.config.samples_per_group, self.items, index, version)
 
     def close(self) -> None:
         self.scorer.close()
@@ -142,15 +131,7 @@ def rollout_group(prompt: PromptGroup, ids: list[int], samples: list[Any], versi
     return RolloutGroup(
         prompt=prompt,
         prompt_token_ids=WireTensor.from_values(ids, "int32"),
-        samples=tuple(
-            Sample(
-                token_ids=WireTensor.from_values(g.token_ids, "int32"),
-                logprobs=WireTensor.from_values(g.logprobs, "float32"),
-                text=g.text,
-                finish_reason=g.finish_reason,
-            )
-            for g in samples
-        ),
+        samples=tuple(sample_of(g) for g in samples),
         policy_version=version,
     )
 

@@ -32,16 +32,16 @@ CURSOR_KEY = FEEDER_CURSOR
 POLL_S = 0.2
 
 
-def group_for(bus: Bus, items: list[TaskItem], release_index: int, version: int) -> PromptGroup:
+def group_for(run: str, n_samples: int, items: list[TaskItem], release_index: int, version: int) -> PromptGroup:
     """The prompt group released as number `release_index` (epochs cycle over the dataset)."""
     epoch, row = divmod(release_index, len(items))
     item = items[row]
     return PromptGroup(
-        run=bus.run,
+        run=run,
         group_id=f"e{epoch}-i{item.index}",
         parts=item.parts,
         answer=item.answer,
-        n_samples=bus.config.samples_per_group,
+        n_samples=n_samples,
         release_index=release_index,
         released_at_version=version,
         epoch=epoch,
@@ -95,7 +95,7 @@ async def _release(
             await _wait(stop, tracker.changed, POLL_S)  # a new policy version wakes it at once
             continue
         subject = bus.topology.subject("prompts")
-        groups = [group_for(bus, items, released + i, version) for i in range(n)]
+        groups = [group_for(bus.run, cfg.samples_per_group, items, released + i, version) for i in range(n)]
         try:
             await bus.publisher.publish_many([(subject, g) for g in groups], deadline_s=30.0)
         except PublishFailed as err:

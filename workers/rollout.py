@@ -134,7 +134,7 @@ class Rollout:
             RolloutGroup(
                 prompt=r.prompt,
                 prompt_token_ids=WireTensor.from_values(prompt_ids, "int32"),
-                samples=tuple(_sample(g) for g in samples),
+                samples=tuple(sample_of(g) for g in samples),
                 policy_version=version,
                 engine=self.engine.name,
                 worker_id=self.worker_id,
@@ -177,7 +177,8 @@ class Rollout:
                 raise Reject(f"{where} references {ref.uri}, which is not a file on this worker")
 
 
-def _sample(g: Generated) -> Sample:
+def sample_of(g: Generated) -> Sample:
+    """A generated completion as a wire Sample."""
     return Sample(
         token_ids=WireTensor.from_values(g.token_ids, "int32"),
         logprobs=WireTensor.from_values(g.logprobs, "float32"),

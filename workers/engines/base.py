@@ -9,18 +9,35 @@ plus one line in `ENGINES`; `make_engine` imports it only when asked for.
 from __future__ import annotations
 
 import importlib
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from relax_bus.log import get_logger
+
 if TYPE_CHECKING:
     import torch
+
+log = get_logger(__name__)
 
 ENGINES: dict[str, str] = {
     "torch": "workers.engines.torch_engine:TorchEngine",
     "vllm": "workers.engines.vllm_engine:VllmEngine",
     "sim": "workers.engines.sim_engine:SimEngine",
 }
+
+
+def log_generated(prompts: list[list[int]], n: int, tokens: int, started: float, version: int) -> None:
+    """The debug line every engine writes after a generate call (`started`: its perf_counter at the start)."""
+    log.debug(
+        "generated",
+        prompts=len(prompts),
+        n=n,
+        tokens=tokens,
+        seconds=round(time.perf_counter() - started, 4),
+        version=version,
+    )
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from relax_bus.log import get_logger
-from workers.engines.base import Generated, SamplingSettings
+from workers.engines.base import Generated, SamplingSettings, log_generated
 from workers.models import load_model, load_tokenizer
 
 log = get_logger(__name__)
@@ -72,14 +72,7 @@ class TorchEngine:
             )
         new_tokens = int(lengths.sum())
         self._tokens += new_tokens
-        log.debug(
-            "generated",
-            prompts=len(prompts),
-            n=n,
-            tokens=new_tokens,
-            seconds=round(time.perf_counter() - started, 4),
-            version=self.version,
-        )
+        log_generated(prompts, n, new_tokens, started, self.version)
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor], version: int) -> None:

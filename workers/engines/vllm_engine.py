@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 
 from relax_bus.log import get_logger
-from workers.engines.base import Generated, SamplingSettings
+from workers.engines.base import Generated, SamplingSettings, log_generated
 from workers.models import load_tokenizer
 
 log = get_logger(__name__)
@@ -130,14 +130,7 @@ class VllmEngine:
         out = [[self._generated(c) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outputs]
         new_tokens = sum(len(g.token_ids) for samples in out for g in samples)
         self._tokens += new_tokens
-        log.debug(
-            "generated",
-            prompts=len(prompts),
-            n=n,
-            tokens=new_tokens,
-            seconds=round(time.perf_counter() - started, 4),
-            version=self.version,
-        )
+        log_generated(prompts, n, new_tokens, started, self.version)
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor], version: int) -> None:
