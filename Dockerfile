@@ -13,6 +13,8 @@
 
 # ---------------------------------------------------------------- deps: a venv with torch + the pins
 FROM python:3.11-slim AS deps
+# Every stage carries the label, so the images a rebuild leaves untagged can be pruned by it.
+LABEL org.relax-bus.image=relax-bus
 
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_WHEELHOUSE=
@@ -53,6 +55,7 @@ RUN pip wheel --no-deps --no-build-isolation --wheel-dir /wheels /src
 
 # ---------------------------------------------------------------- runtime: the venv and a plain user
 FROM python:3.11-slim
+LABEL org.relax-bus.image=relax-bus
 
 RUN groupadd --gid 10001 relax \
  && useradd --uid 10001 --gid relax --create-home --shell /usr/sbin/nologin relax \

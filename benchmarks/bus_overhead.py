@@ -45,17 +45,19 @@ from relax_bus.bus import Bus
 from relax_bus.connection import connect
 from relax_bus.provision import provision
 from relax_bus.server import EmbeddedServer
-from relax_bus.settings import ConnectionSettings, RunConfig, load_run_config
+from relax_bus.settings import ConnectionSettings
 from relax_bus.version import VersionTracker
 from relax_bus.worker import Worker, WorkerOptions
 from schemas import PromptGroup, RolloutGroup, TrainGroup, encode
-from workers.actor import Actor
+from workers.config import PipelineConfig, load_config
+from workers.data.models import materialize
+from workers.data.prompts import prompt_ids
+from workers.data.tasks import load_task, prompt_text
 from workers.engines.base import SamplingSettings
 from workers.engines.torch_engine import TorchEngine
-from workers.models import materialize
-from workers.reward import make_scorer_from, score_group
-from workers.tasks import load_task, prompt_text
-from workers.trainer import PolicyTrainer
+from workers.roles.actor import Actor
+from workers.roles.reward import make_scorer_from, score_group
+from workers.training.trainer import PolicyTrainer
 from workers.weights import ObjectStoreTransport
 
 DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo.yaml"
@@ -65,14 +67,14 @@ CONFIGS = {
 }
 
 
-def make_config(name: str) -> RunConfig:
-    data = load_run_config(DEMO).model_dump()
+def make_config(name: str) -> PipelineConfig:
+    data = load_config(DEMO).model_dump()
     for key, value in CONFIGS[name].items():
         data[key] = {**data[key], **value} if isinstance(value, dict) else value
     data["run"] = f"busov{uuid.uuid4().hex[:6]}"
     data["trainer"]["warmup"]["max_steps"] = 0
     data["bus"]["max_ack_pending"] = max(256, 2 * data["groups_per_step"])
-    return RunConfig.model_validate(data)
+    return PipelineConfig.model_validate(data)
 
 
 class TrainerState:
@@ -85,7 +87,9 @@ class TrainerState:
         return self.trainer.full_state()
 
 
-def compute_step(config: RunConfig, model_dir: Path) -> tuple[list[PromptGroup], list[RolloutGroup], dict[str, float]]:
+def compute_step(
+    config: PipelineConfig, model_dir: Path
+) -> tuple[list[PromptGroup], list[RolloutGroup], dict[str, float]]:
     """One real step with one thread: the prompt groups, their rollout groups, and the compute times."""
     torch.set_num_threads(1)
     engine, trainer = TorchEngine(model_dir), PolicyTrainer(model_dir, config)
@@ -105,7 +109,8 @@ def compute_step(config: RunConfig, model_dir: Path) -> tuple[list[PromptGroup],
         )
         for i in range(config.groups_per_step)
     ]
-    ids = [[tok.bos_token_id, *tok.encode(prompt_text(p.parts), add_special_tokens=False)] for p in prompts]
+    m = config.model
+    ids = [prompt_ids(tok, prompt_text(p.parts), m.prompt_format, m.system_prompt) for p in prompts]
     r = config.rollout
     sampling = SamplingSettings(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
     engine.generate(ids, config.samples_per_group, sampling)  # warm-up call
@@ -237,7 +242,7 @@ async def bench_config(name: str, args: argparse.Namespace, work: Path) -> dict[
         nc = await connect(ConnectionSettings(nats_url=[server.url]), name="bus-overhead")
         try:
             await provision(nc.jetstream(), config)
-            bus = await Bus.attach(nc, config.run)
+            bus = await Bus.attach(nc, config.run, PipelineConfig)
             trainer = TrainerState(PolicyTrainer(model_dir, config))
             transport = ObjectStoreTransport(bus)
             actor = Actor(bus, trainer, transport)  # type: ignore[arg-type]

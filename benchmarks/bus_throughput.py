@@ -33,9 +33,9 @@ from relax_bus.bus import Bus
 from relax_bus.envelope import open_message
 from relax_bus.provision import provision
 from relax_bus.server import EmbeddedServer
-from relax_bus.settings import parse_run_config
 from relax_bus.worker import Worker, WorkerOptions
 from schemas import ImagePart, PromptGroup, TextPart, VideoPart
+from workers.config import PipelineConfig, parse_config
 
 WINDOW = 512
 
@@ -80,7 +80,7 @@ def prompt(run: str, i: int, payload: bytes, video: bool = False) -> PromptGroup
 
 
 async def our_messages(nc, size: int, n: int) -> dict[str, float]:
-    config = parse_run_config(
+    config = parse_config(
         {
             "run": f"bench{uuid.uuid4().hex[:6]}",
             "groups_per_step": 1,
@@ -88,7 +88,7 @@ async def our_messages(nc, size: int, n: int) -> dict[str, float]:
         }
     )
     await provision(nc.jetstream(), config)
-    bus = await Bus.attach(nc, config.run)
+    bus = await Bus.attach(nc, config.run, PipelineConfig)
     payload = os.urandom(size)
     subject = bus.topology.subject("prompts")
     messages = [prompt(bus.run, i, payload) for i in range(n)]
@@ -123,9 +123,9 @@ async def raw_blob(nc, size: int) -> dict[str, float]:
 
 
 async def our_blob(nc, size: int) -> dict[str, float]:
-    config = parse_run_config({"run": f"blob{uuid.uuid4().hex[:6]}", "groups_per_step": 1})
+    config = parse_config({"run": f"blob{uuid.uuid4().hex[:6]}", "groups_per_step": 1})
     await provision(nc.jetstream(), config)
-    bus = await Bus.attach(nc, config.run)
+    bus = await Bus.attach(nc, config.run, PipelineConfig)
     message = prompt(bus.run, 0, os.urandom(size), video=True)
     t0 = time.perf_counter()
     await bus.publish("prompts", message)

@@ -5,7 +5,7 @@
 
 The rollout engine is `rollout.engine: sim` (workers/engines/sim_engine.py: a call on k groups sleeps
 for the longest of k log-normal group times, a weights load sleeps `load_s`) and the optimizer step is
-`trainer.simulate` (workers/sim_trainer.py: a sleep). Everything else is the production path: feeder
+`trainer.simulate` (workers/training/sim_trainer.py: a sleep). Everything else is the production path: feeder
 credit rule, rollout micro-batching and version gating, reward scoring, the actor's collect / judge /
 ack loop, real safetensors weights published to the object store and fetched by every rollout worker.
 So the cores are not the bottleneck and what is measured is scheduling, staleness gating, the bus and
@@ -46,7 +46,7 @@ from typing import Any
 from pipeline import run_pipeline, steady, step_period, write_results
 
 from relax_bus import log
-from relax_bus.settings import parse_run_config
+from workers.config import parse_config
 
 PAPER_SPEEDUP = 1.76
 GEN_SHARE, TRAIN_SHARE, LOAD_SHARE = 0.38, 0.57, 0.05
@@ -60,7 +60,7 @@ def expected_max(k: int, sigma: float, samples: int = 20000, seed: int = 0) -> f
 
 def make_config(args: argparse.Namespace, workers: int, mode: str, median: float) -> Any:
     unit = args.unit
-    return parse_run_config(
+    return parse_config(
         {
             "run": f"sim{workers}s{mode[:2]}{uuid.uuid4().hex[:4]}",
             "groups_per_step": args.groups,
@@ -69,10 +69,14 @@ def make_config(args: argparse.Namespace, workers: int, mode: str, median: float
             "model": {"source": "tiny:64x2"},
             "task": {"type": "addition", "options": {"seed": 0}},
             "rollout": {
-                "engine": "sim",
+                "engine": {
+                    "type": "sim",
+                    "group_median_s": median,
+                    "group_sigma": args.sigma,
+                    "load_s": LOAD_SHARE * unit,
+                },
                 "max_new_tokens": 4,
                 "batch_groups": args.groups // workers,
-                "sim": {"group_median_s": median, "group_sigma": args.sigma, "load_s": LOAD_SHARE * unit},
             },
             "trainer": {
                 "steps": args.steps,

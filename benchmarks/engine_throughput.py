@@ -9,7 +9,7 @@ sample runs to --new-tokens): both engines get one warm-up call, then the same g
 shared machine hits both; the best rate is kept. Also measured: start-up time, weight reload time
 (median of 2 x --repeat full-state loads, perturbed and back, wall time of `load_state_dict`), and
 the log-prob mismatch of each engine's sampled tokens against the teacher-forced
-`workers.logprobs.response_logprobs` on the same weights (mean and max absolute difference).
+`workers.training.logprobs.response_logprobs` on the same weights (mean and max absolute difference).
 Both engines run with --threads intra-op threads. Prints a table, writes JSON. Needs vllm (`make vllm`).
 """
 
@@ -29,12 +29,12 @@ from typing import Any
 import torch
 
 from relax_bus import log
+from workers.data.models import load_model, materialize
+from workers.data.tokenizer import BOS_ID
 from workers.engines.base import Engine, Generated, SamplingSettings
 from workers.engines.torch_engine import TorchEngine
 from workers.engines.vllm_engine import VllmEngine
-from workers.logprobs import response_logprobs
-from workers.models import load_model, materialize
-from workers.tokenizer import BOS_ID
+from workers.training.logprobs import response_logprobs
 
 TEMPERATURE = 0.7
 

@@ -44,32 +44,34 @@ from relax_bus import log
 from relax_bus.bus import Bus
 from relax_bus.connection import connect
 from relax_bus.server import EmbeddedServer
-from relax_bus.settings import ConnectionSettings, RunConfig, load_run_config
+from relax_bus.settings import ConnectionSettings
 from schemas import PromptGroup, RolloutGroup, RunEvent, TrainGroup, WireTensor, decode
+from workers.config import PipelineConfig, load_config
+from workers.data.models import materialize
+from workers.data.prompts import prompt_ids
+from workers.data.tasks import load_task, prompt_text
 from workers.engines.base import SamplingSettings
 from workers.engines.torch_engine import TorchEngine
-from workers.feeder import group_for
-from workers.launcher import launch
-from workers.models import materialize
-from workers.reward import make_scorer_from, score_group
-from workers.rollout import sample_of
-from workers.tasks import load_task, prompt_text
-from workers.trainer import PolicyTrainer
+from workers.launch.launcher import launch
+from workers.roles.feeder import group_for
+from workers.roles.reward import make_scorer_from, score_group
+from workers.roles.rollout import sample_of
+from workers.training.trainer import PolicyTrainer
 
 DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo.yaml"
 
 
-def mode_config(base: RunConfig, mode: str, warm: Path, steps: int) -> RunConfig:
+def mode_config(base: PipelineConfig, mode: str, warm: Path, steps: int) -> PipelineConfig:
     data = base.model_dump()
     data["run"] = f"modes-s{mode}"
     data["staleness"]["max_staleness"] = mode
     data["model"]["source"] = str(warm)
     data["trainer"].update(steps=steps, checkpoint_every=steps)
     data["trainer"]["warmup"]["max_steps"] = 0
-    return RunConfig.model_validate(data)
+    return PipelineConfig.model_validate(data)
 
 
-def warm_start(base: RunConfig, work: Path) -> tuple[Path, dict[str, float]]:
+def warm_start(base: PipelineConfig, work: Path) -> tuple[Path, dict[str, float]]:
     """Run the demo's supervised warm-up once and save the weights it leaves as a model directory."""
     torch.set_num_threads(1)  # as the actor does it (two threads stall on a shared two-core machine)
     model_dir = materialize(base.model.source, work / "base", base.model.seed)
@@ -84,7 +86,7 @@ def warm_start(base: RunConfig, work: Path) -> tuple[Path, dict[str, float]]:
 class Colocated:
     """Generate, score, train, load: one process, no bus."""
 
-    def __init__(self, config: RunConfig, model_dir: Path) -> None:
+    def __init__(self, config: PipelineConfig, model_dir: Path) -> None:
         self.config = config
         self.engine = TorchEngine(model_dir)
         self.trainer = PolicyTrainer(model_dir, config)
@@ -98,7 +100,8 @@ class Colocated:
         cfg, tok = self.config, self.trainer.tokenizer
         prompts = [self._prompt(self.released + i, version) for i in range(cfg.groups_per_step)]
         self.released += len(prompts)
-        ids = [[tok.bos_token_id, *tok.encode(prompt_text(p.parts), add_special_tokens=False)] for p in prompts]
+        m = cfg.model
+        ids = [prompt_ids(tok, prompt_text(p.parts), m.prompt_format, m.system_prompt) for p in prompts]
         t0 = time.perf_counter()
         outputs = self.engine.generate(ids, cfg.samples_per_group, self.sampling)
         t1 = time.perf_counter()
@@ -136,7 +139,7 @@ def rollout_group(prompt: PromptGroup, ids: list[int], samples: list[Any], versi
     )
 
 
-def run_colocated(config: RunConfig, warm: Path, steps: int, threads: int) -> list[dict[str, float]]:
+def run_colocated(config: PipelineConfig, warm: Path, steps: int, threads: int) -> list[dict[str, float]]:
     torch.set_num_threads(threads)
     colocated = Colocated(config, warm)
     rows = []
@@ -148,13 +151,13 @@ def run_colocated(config: RunConfig, warm: Path, steps: int, threads: int) -> li
     return rows
 
 
-def phase_times(config: RunConfig, warm: Path, steps: int, threads: int) -> dict[str, float]:
+def phase_times(config: PipelineConfig, warm: Path, steps: int, threads: int) -> dict[str, float]:
     """Median generate and train seconds of a demo step with `threads` torch threads (fresh weights)."""
     rows = run_colocated(config, warm, steps + 1, threads)[1:]  # the first call pays one-off set-up costs
     return {key: statistics.median(r[key] for r in rows) for key in ("gen_s", "score_s", "train_s", "sync_s")}
 
 
-async def run_mode(config: RunConfig, run_dir: Path) -> dict[str, Any]:
+async def run_mode(config: PipelineConfig, run_dir: Path) -> dict[str, Any]:
     """One run with the real launcher; returns its metrics, its step records and the rollout timings."""
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: the previous invocation's store would resume it
     run_dir.mkdir(parents=True)  # noqa: ASYNC240 - a benchmark, nothing else runs meanwhile
@@ -163,7 +166,7 @@ async def run_mode(config: RunConfig, run_dir: Path) -> dict[str, Any]:
         summary = await launch(config, run_dir, server.url, out)
         nc = await connect(ConnectionSettings(nats_url=[server.url]), name="bench-modes")
         try:
-            bus = await Bus.attach(nc, config.run)
+            bus = await Bus.attach(nc, config.run, PipelineConfig)
             groups = await read_train_groups(bus)
             steps = await step_records(bus)
         finally:
@@ -268,7 +271,7 @@ def draw(runs: dict[str, list[dict[str, float]]], target: Path, threshold: float
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.work_dir)
-    base = load_run_config(DEMO)
+    base = load_config(DEMO)
     started = time.perf_counter()
     warm, warm_info = await asyncio.to_thread(warm_start, base, work)
     print(f"warm-up: {warm_info['warmup_steps']:.0f} supervised steps, accuracy {warm_info['warmup_accuracy']:.2f}")

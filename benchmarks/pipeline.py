@@ -3,7 +3,7 @@
     python benchmarks/pipeline.py host --nats-url URL --run RUN --workers K --work-dir DIR
 
 `run_pipeline` provisions a run on a nats-server, starts every role with the same `relax worker`
-command lines `relax run` uses (`workers.launcher.role_commands`), follows the events stream until
+command lines `relax run` uses (`workers.launch.launcher.role_commands`), follows the events stream until
 the actor reports its last step, and returns the per-step Metric records and, on request, the run's
 train groups (their rollout timings). Rollout workers beyond `max_procs` are hosted K per process
 by the `host` command above: K independent rollout workers (own connection, consumer pulls,
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -32,9 +33,10 @@ from relax_bus.connection import connect
 from relax_bus.envelope import open_message
 from relax_bus.provision import provision
 from relax_bus.server import EmbeddedServer
-from relax_bus.settings import ConnectionSettings, RunConfig
-from schemas import Metric, TrainGroup, decode
-from workers.launcher import Role, role_commands
+from relax_bus.settings import ConnectionSettings
+from schemas import Metric, TrainGroup
+from workers.config import PipelineConfig
+from workers.launch.processes import RunProcesses, follow_events
 
 SCRIPT = Path(__file__).resolve()
 
@@ -61,7 +63,7 @@ def rollout_layout(workers: int, max_procs: int) -> list[int]:
 
 
 async def run_pipeline(
-    config: RunConfig,
+    config: PipelineConfig,
     work: Path,
     *,
     rollout_workers: int,
@@ -78,31 +80,22 @@ async def run_pipeline(
     )
     with EmbeddedServer(store_dir=work / "nats") as server:
         nc = await connect(ConnectionSettings(nats_url=[server.url]), name="bench")
-        roles: list[Role] = []
+        hosts = []
+        for i, k in enumerate(layout if hosted else []):
+            host = ["host", "--nats-url", server.url, "--run", config.run, "--workers", str(k)]
+            hosts.append(("rollout", i, [sys.executable, str(SCRIPT), *host, "--work-dir", str(work / "cache")]))
+        processes = RunProcesses(config, server.url, work / "cache", work / "logs", extra=hosts)
         try:
             await provision(nc.jetstream(), config)
-            bus = await Bus.attach(nc, config.run)
-            queue: asyncio.Queue[Any] = asyncio.Queue()
-            sub = await bus.js.subscribe(bus.topology.subject("events"), ordered_consumer=True, cb=queue.put)
-            commands = role_commands(config, server.url, work / "cache")
-            if hosted:
-                script = str(SCRIPT)
-                for i, k in enumerate(layout):
-                    host = ["host", "--nats-url", server.url, "--run", config.run, "--workers", str(k)]
-                    commands.append(("rollout", i, [sys.executable, script, *host, "--work-dir", str(work / "cache")]))
-            for name, i, cmd in commands:
-                role = Role(name, i, cmd, work / "logs" / f"{name}-{i}.log")
-                role.start()
-                roles.append(role)
+            bus = await Bus.attach(nc, config.run, PipelineConfig)
+            processes.start()
             started = time.time()
-            pids = {f"{r.name}-{r.index}": r.proc.pid for r in roles if r.proc} | {"nats-server": server.pid or 0}
+            pids = processes.pids() | {"nats-server": server.pid or 0}
             cpu: list[dict[str, float]] = []
-            metrics = await _follow(queue, config.trainer.steps, roles, started + timeout_s, pids, cpu)
-            await sub.unsubscribe()
+            metrics = await _follow(bus, config.trainer.steps, processes, started + timeout_s, pids, cpu)
             groups = await read_train_groups(bus) if read_train else []
         finally:
-            for role in reversed(roles):
-                role.stop(timeout_s=15)
+            processes.stop(timeout_s=15)
             await nc.close()
     return PipelineResult(metrics, started, cpu, groups)
 
@@ -117,31 +110,25 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def _follow(
-    queue: asyncio.Queue[Any],
+    bus: Bus,
     steps: int,
-    roles: list[Role],
+    processes: RunProcesses,
     deadline: float,
     pids: dict[str, int],
     cpu: list[dict[str, float]],
 ) -> list[dict[str, float]]:
     metrics: list[dict[str, float]] = []
-    while not metrics or metrics[-1]["step"] < steps:
-        try:
-            msg = await asyncio.wait_for(queue.get(), timeout=1.0)
-        except TimeoutError:
-            msg = None
-        if msg is not None:
-            event = decode(msg.data)
+    async with contextlib.aclosing(follow_events(bus, idle_s=1.0)) as events:
+        async for event in events:
             if isinstance(event, Metric):
                 metrics.append({**event.values, "at": event.at})
                 cpu.append({name: cpu_seconds(pid) for name, pid in pids.items()})
-        for role in roles:
-            code = role.proc.poll() if role.proc else None
-            if code not in (None, 0):
-                tail = "\n".join(role.log_path.read_text(errors="replace").splitlines()[-15:])
-                raise RuntimeError(f"{role.name}-{role.index} exited with {code}; its log ends with:\n{tail}")
-        if time.time() > deadline:
-            raise TimeoutError(f"run did not finish in time (at step {metrics[-1]['step'] if metrics else 0})")
+                if event.step >= steps:
+                    break
+            for role, code in processes.failed():
+                raise RuntimeError(f"{role.label} exited with {code}; its log ends with:\n{role.log_tail(15)}")
+            if time.time() > deadline:
+                raise TimeoutError(f"run did not finish in time (at step {metrics[-1]['step'] if metrics else 0})")
     return metrics
 
 
@@ -202,7 +189,7 @@ def write_results(name: str, out: Path, payload: dict[str, Any]) -> None:
 
 async def host(url: str, run: str, workers: int, work_dir: Path) -> None:
     """Run `workers` independent rollout workers in this process until SIGTERM."""
-    from workers.rollout import rollout_worker
+    from workers.roles.rollout import rollout_worker
 
     loop = asyncio.get_running_loop()
     loop.set_default_executor(ThreadPoolExecutor(max_workers=4 * workers + 4))  # each worker sleeps in threads
@@ -210,7 +197,10 @@ async def host(url: str, run: str, workers: int, work_dir: Path) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     settings = ConnectionSettings(nats_url=[url])
-    buses = [await Bus.connect(settings, run, name=f"sim-rollout-{i}", retry_for_s=60.0) for i in range(workers)]
+    buses = [
+        await Bus.connect(settings, run, name=f"sim-rollout-{i}", retry_for_s=60.0, config_model=PipelineConfig)
+        for i in range(workers)
+    ]
     pairs = [await rollout_worker(bus, work_dir / run) for bus in buses]
     for _, rollout in pairs:
         await rollout.start()

@@ -33,14 +33,14 @@ from pipeline import run_pipeline, write_results
 
 from relax_bus import log
 from relax_bus.server import EmbeddedServer
-from relax_bus.settings import RunConfig, parse_run_config
 from schemas import encode
+from workers.config import PipelineConfig, parse_config
 
 HOPS = 3
 
 
-def make_config(args: argparse.Namespace, workers: int, rewards: int) -> RunConfig:
-    return parse_run_config(
+def make_config(args: argparse.Namespace, workers: int, rewards: int) -> PipelineConfig:
+    return parse_config(
         {
             "run": f"scale{workers}x{rewards}{uuid.uuid4().hex[:4]}",
             "groups_per_step": args.groups_per_step,

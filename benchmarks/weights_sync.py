@@ -3,16 +3,20 @@
     python benchmarks/weights_sync.py [--sizes 10,100,500] [--repeat 3] [--out FILE]
 
 For each size (decimal MB of float32 tensors, shaped like a model: one embedding-sized tensor and
-layers of a few large matrices) three transports move the same state dict, in one run:
+layers of a few large matrices) four transports move the same state dict, in one run:
 - object store: `workers.weights.ObjectStoreTransport` on an embedded nats-server with file storage
   (the run's `weights` store, provisioned as `relax init` does). Publish = safetensors serialisation
   + pipelined chunk put + info record; fetch = chunked get + digest check + deserialisation.
 - file: `workers.weights.FilesystemTransport` on the local disk (write + rename; read back while the
   file is still in the page cache, the best case of a shared filesystem).
+- shm: `workers.weights.SharedMemoryTransport` in /dev/shm (publish = one copy of every tensor into a
+  mapped segment + rename; fetch = map it, tensors as views: the load's copy is the only read).
 - memory: serialisation to bytes and deserialisation from them, nothing moved (the floor of any
   transport that uses safetensors).
 Every fetch is followed by the same load: `copy_` of every tensor into preallocated parameters (what
-`TorchEngine.load_state_dict` does). A plain `shutil.copyfile` of the safetensors file is timed too.
+`TorchEngine.load_state_dict` does). A plain `shutil.copyfile` of the safetensors file is timed too,
+and a snapshot (`clone` of every tensor): what the trainer would wait for if a publish were streamed
+off its critical path (snapshot, then serialise and store in the background), the floor of any publish.
 Each case runs --repeat times alternating transports; the best is kept. Prints a table, writes JSON.
 """
 
@@ -39,8 +43,9 @@ from relax_bus.bus import Bus
 from relax_bus.connection import connect
 from relax_bus.provision import provision
 from relax_bus.server import EmbeddedServer
-from relax_bus.settings import ConnectionSettings, parse_run_config
-from workers.weights import FilesystemTransport, ObjectStoreTransport, StateDict, to_bytes
+from relax_bus.settings import ConnectionSettings
+from workers.config import PipelineConfig, parse_config
+from workers.weights import FilesystemTransport, ObjectStoreTransport, SharedMemoryTransport, StateDict, to_bytes
 
 MB = 1_000_000
 
@@ -105,17 +110,30 @@ def file_copy_seconds(state: StateDict, work: Path) -> float:
     return best
 
 
+def snapshot_seconds(state: StateDict) -> float:
+    """Best of 3 clones of the state dict: the trainer's wait if publishing ran off its critical path."""
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        copy = {k: v.clone() for k, v in state.items()}
+        best = min(best, time.perf_counter() - started)
+        del copy
+    return best
+
+
 async def bench(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     rows = []
     with EmbeddedServer(store_dir=work / "nats") as server:
         nc = await connect(ConnectionSettings(nats_url=[server.url]), name="weights-bench")
         try:
-            config = parse_run_config({"run": f"w{uuid.uuid4().hex[:6]}", "bus": {"weights_keep": 1}})
+            config = parse_config({"run": f"w{uuid.uuid4().hex[:6]}", "bus": {"weights_keep": 1}})
             await provision(nc.jetstream(), config)
-            bus = await Bus.attach(nc, config.run)
+            bus = await Bus.attach(nc, config.run, PipelineConfig)
+            shm = SharedMemoryTransport(f"bench-{config.run}", keep=1)
             transports = {
                 "object store": ObjectStoreTransport(bus),
                 "file": FilesystemTransport(bus, work / "fs"),
+                "shm": shm,
                 "memory": MemoryTransport(),
             }
             version = 0
@@ -136,17 +154,24 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
                         if name not in best or total < best[name]["fetch_s"] + best[name]["load_s"]:
                             best[name] = result
                 copy_s = file_copy_seconds(state, work)
-                rows.append(row(size, nbytes, best, copy_s))
+                rows.append(row(size, nbytes, best, copy_s, snapshot_seconds(state)))
                 del state, params
             await bus.weights.delete(f"v{version}")
         finally:
+            shm.remove_run()
             await nc.close()
     return rows
 
 
-def row(size: int, nbytes: int, best: dict[str, dict[str, float]], copy_s: float) -> dict[str, Any]:
+def row(size: int, nbytes: int, best: dict[str, dict[str, float]], copy_s: float, snap_s: float) -> dict[str, Any]:
     mb = nbytes / MB
-    out: dict[str, Any] = {"size_mb": size, "bytes": nbytes, "file_copy_mb_per_s": mb / copy_s, "transports": {}}
+    out: dict[str, Any] = {
+        "size_mb": size,
+        "bytes": nbytes,
+        "file_copy_mb_per_s": mb / copy_s,
+        "snapshot_mb_per_s": mb / snap_s,
+        "transports": {},
+    }
     for name, r in best.items():
         out["transports"][name] = {
             **r,
@@ -154,6 +179,10 @@ def row(size: int, nbytes: int, best: dict[str, dict[str, float]], copy_s: float
             "fetch_mb_per_s": mb / r["fetch_s"],
             "fetch_load_mb_per_s": mb / (r["fetch_s"] + r["load_s"]),
         }
+    memory = out["transports"]["memory"]
+    for t in out["transports"].values():
+        t["fetch_load_vs_memory"] = t["fetch_load_mb_per_s"] / memory["fetch_load_mb_per_s"]
+        t["publish_vs_snapshot"] = t["publish_mb_per_s"] / out["snapshot_mb_per_s"]
     store, file = out["transports"]["object store"], out["transports"]["file"]
     out["fetch_load_vs_file"] = store["fetch_load_mb_per_s"] / file["fetch_load_mb_per_s"]
     out["publish_vs_file"] = store["publish_mb_per_s"] / file["publish_mb_per_s"]
@@ -174,7 +203,7 @@ def main() -> None:
 
     header = (
         f"{'size':>6} {'transport':12} {'publish MB/s':>12} {'fetch MB/s':>10} {'fetch+load MB/s':>15} "
-        f"{'fetch+load s':>12} {'vs file':>8}"
+        f"{'fetch+load s':>12} {'vs file':>8} {'vs memory':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -184,12 +213,14 @@ def main() -> None:
             print(
                 f"{r['size_mb']:>4}MB {name:12} {t['publish_mb_per_s']:12.0f} {t['fetch_mb_per_s']:10.0f} "
                 f"{t['fetch_load_mb_per_s']:15.0f} {t['fetch_s'] + t['load_s']:12.3f} "
-                f"{t['fetch_load_mb_per_s'] / file_rate:7.2f}x"
+                f"{t['fetch_load_mb_per_s'] / file_rate:7.2f}x {t['fetch_load_vs_memory']:8.2f}x"
             )
         print(f"{'':6} {'cp (file)':12} {r['file_copy_mb_per_s']:12.0f}")
+        print(f"{'':6} {'snapshot':12} {r['snapshot_mb_per_s']:12.0f}")
     print(
         f"MB = 10^6 bytes; best of {args.repeat}; publish = serialise + store; fetch = read back + deserialise; "
-        "load = copy into preallocated parameters; vs file = fetch+load rate / the file transport's"
+        "load = copy into preallocated parameters; vs file / vs memory = fetch+load rate / the file / memory "
+        "transport's; snapshot = clone of the state dict (a publish streamed off the trainer's critical path)"
     )
     write_json(Path(args.out), rows)
 

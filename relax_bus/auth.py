@@ -1,17 +1,13 @@
 """Least-privilege NATS credentials for a run: one user per role, allowed only the subjects it uses.
 
 `permissions(topology, role)` derives a role's publish and subscribe allow-lists from the run's
-topology and from what its code calls (`GRANTS`, read off `workers/*.py` and the bus's worker loop);
-the server denies everything else; `relax_bus.credentials` writes them into a server config (`relax
-auth`). Beyond reading the run config and KV, and writing its own heartbeats, dead letters and
-events, each user may:
+chain (each role's input, output and `Grants`, declared by the role registry of the roles' package)
+and from what the bus's worker loop calls; the server denies everything else;
+`relax_bus.credentials` writes them into a server config (`relax auth`). Every role user may read
+the run config and KV and write its own heartbeats, dead letters and events, and may read single
+messages back (by sequence) from each stream it publishes to: a publish answered "duplicate" is
+checked against the copy stored under its id. Two users exist besides the roles:
 
-    feeder     publish prompts; write feeder.cursor; watch policy.version; follow dead letters
-    rollout    pull prompts, publish rollouts; read weights, watch policy.version
-    reward     pull rollouts, publish scored (train when the run has no reference role)
-    reference  pull scored, publish train; read weights, watch policy.version
-    actor      pull train, rewind its durable; publish prompts (requeues); write weights,
-               policy.version, trainer.*, groups.dropped
     admin      every JetStream call on the run's streams, consumers, buckets and stores
     observer   read-only: stream and consumer info, KV, dead letters, events (`relax inspect`)
 
@@ -24,58 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from relax_bus.state_keys import (
-    FEEDER_CURSOR,
-    GROUPS_DROPPED,
-    POLICY_VERSION,
-    TRAINER_CHECKPOINT,
-    TRAINER_DONE,
-    TRAINER_STEP,
-)
 from relax_bus.topology import Topology
 
 API = "$JS.API"
 ADMIN = "admin"
 OBSERVER = "observer"
-
-
-@dataclass(frozen=True)
-class Grants:
-    """What a role's own code does beyond consuming its input and publishing its output."""
-
-    state_keys: tuple[str, ...] = ()
-    """Keys of the run's state bucket it writes."""
-    publishes: tuple[str, ...] = ()
-    """Subject keys it publishes to besides its output, dlq and events."""
-    reads_weights: bool = False
-    """Fetches policy weights from the weights store."""
-    writes_weights: bool = False
-    """Puts and deletes weights and checkpoints in the weights store."""
-    watches_version: bool = False
-    """Follows policy.version with a KV watcher (an ordered consumer on the state bucket)."""
-    reaps: bool = True
-    """Runs the bus's worker loop, which dead-letters (reads, then deletes) unsettled input messages."""
-    resets_consumer: bool = False
-    """Rewinds its own durable after a restart (`js.reset_consumer`)."""
-    reads_dead_letters: bool = False
-    """Follows the dlq stream (the feeder replaces dead-lettered groups)."""
-
-
-# One entry per role; the topology says what each consumes and where its output goes.
-GRANTS = {
-    "feeder": Grants(state_keys=(FEEDER_CURSOR,), reaps=False, reads_dead_letters=True, watches_version=True),
-    "rollout": Grants(reads_weights=True, watches_version=True),
-    "reward": Grants(),
-    "reference": Grants(reads_weights=True, watches_version=True),
-    "actor": Grants(
-        state_keys=(POLICY_VERSION, GROUPS_DROPPED, TRAINER_STEP, TRAINER_CHECKPOINT, TRAINER_DONE),
-        publishes=("prompts",),
-        reads_weights=True,
-        writes_weights=True,
-        reaps=False,
-        resets_consumer=True,
-    ),
-}
 
 
 @dataclass(frozen=True)
@@ -109,7 +58,8 @@ def permissions(topology: Topology, role: str) -> Permissions:
         return _admin(t, inbox)
     if role == OBSERVER:
         return _observer(t, inbox)
-    r, g = t.role(role), GRANTS[role]
+    r = t.role(role)
+    g = r.grants
     state, workers = t.bucket("state"), t.bucket("workers")
     media, weights = t.object_store("media"), t.object_store("weights")
     outputs = [*([r.output] if r.output else []), *g.publishes, "dlq", "events"]
@@ -121,6 +71,8 @@ def permissions(topology: Topology, role: str) -> Permissions:
         *_reads_store(media),
         f"$O.{media}.>",  # claim checks of large payloads go both ways on every hop
         *(t.subject(k) for k in outputs),
+        # Reading back the copy a duplicate's id points at: is it ours, or a forgery (`relax_bus.publisher`)?
+        *(f"{API}.STREAM.MSG.GET.{t.stream(k).name}" for k in outputs),
     ]
     sub = [inbox]
     if r.input is not None:
@@ -143,6 +95,8 @@ def permissions(topology: Topology, role: str) -> Permissions:
         pub += _ordered_reader(t.stream("dlq").name)
     if g.writes_weights:
         pub += [f"$O.{weights}.>", f"{API}.STREAM.PURGE.OBJ_{weights}"]
+    if g.observes:
+        pub += _infos(t)
     return Permissions(tuple(dict.fromkeys(pub)), tuple(dict.fromkeys(sub)))
 
 
@@ -185,10 +139,15 @@ def _admin(t: Topology, inbox: str) -> Permissions:
     return Permissions(tuple(pub), tuple(sub))
 
 
+def _infos(t: Topology) -> list[str]:
+    """The info of every stream and durable consumer of the run (no message, no change)."""
+    pub = [f"{API}.STREAM.INFO.{s}" for s in _streams(t)]
+    return pub + [f"{API}.CONSUMER.INFO.{t.stream(c.stream_key).name}.{c.durable}" for c in t.consumers]
+
+
 def _observer(t: Topology, inbox: str) -> Permissions:
     """Look, never touch: what `relax inspect` reads, plus following the events and dead letters."""
-    pub = [f"{API}.STREAM.INFO.{s}" for s in _streams(t)]
-    pub += [f"{API}.CONSUMER.INFO.{t.stream(c.stream_key).name}.{c.durable}" for c in t.consumers]
+    pub = _infos(t)
     for b in t.buckets:
         pub += [*_reads_kv(b.name), *_ordered_reader(f"KV_{b.name}")]
     for key in ("dlq", "events"):

@@ -6,6 +6,11 @@ Both directions are our own: the stock nats-py `get` concatenates bytes quadrati
 64 MiB) and the stock `put` waits for every chunk's ack in turn. Here chunks are published with a
 window of outstanding acks and read back through one ordered consumer, hashed as they arrive; a
 reader that can view the bytes in place (the weights transport) gets them in one preallocated buffer.
+
+A store is bounded (`max_bytes`, discard=new): a put that does not fit fails with `PublishFailed`
+naming the setting to raise, and leaves none of its chunks behind. Chunks of a deleted, replaced or
+failed object are removed with a rollup marker on their subject (one empty message), which needs only
+the permission to write the store, not the stream purge API.
 """
 
 from __future__ import annotations
@@ -30,11 +35,12 @@ from nats.js.object_store import (
     OBJ_STREAM_TEMPLATE,
 )
 
-from relax_bus.errors import AcksLost, BlobCorrupt, BlobNotFound
+from relax_bus.errors import AcksLost, BlobCorrupt, BlobNotFound, PublishFailed
 
 MAX_CHUNK = 1 << 20
 WINDOW = 16
 ACK_TIMEOUT_S = 10.0
+STORE_FULL = 10077  # JetStream err_code: maximum bytes exceeded (the store is bounded with discard=new)
 _HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blob-sha256")  # one thread: chunks hash in order
 
 
@@ -90,21 +96,26 @@ class BlobStore:
         nuid = self.js._nc._nuid.next().decode()
         chunk_subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=nuid)
         sha = None if sha256 is not None else hashlib.sha256()
-        pending: list[asyncio.Future[api.PubAck]] = []
+        pending: list[tuple[asyncio.Future[api.PubAck], memoryview]] = []
         chunks = 0
         try:
             for start in range(0, len(view), self.chunk_size):
                 piece = view[start : start + self.chunk_size]
                 if sha is not None:
                     sha.update(piece)
-                pending.append(await self.js.publish_async(chunk_subject, bytes(piece)))
+                if chunks == 0:
+                    # The first chunk waits for its ack: a full store refuses it at once and clearly (a refused
+                    # pipelined chunk only shows as a missing ack).
+                    await self._publish_chunk(chunk_subject, piece, name, len(view))
+                else:
+                    pending.append((await self.js.publish_async(chunk_subject, bytes(piece)), piece))
                 chunks += 1
                 if len(pending) >= WINDOW:
-                    await self._wait_acks(pending[: WINDOW // 2])
+                    await self._wait_acks(chunk_subject, pending[: WINDOW // 2], name, len(view))
                     del pending[: WINDOW // 2]
-            await self._wait_acks(pending)
+            await self._wait_acks(chunk_subject, pending, name, len(view))
         except BaseException:
-            await self._purge(chunk_subject)
+            await self._clear(chunk_subject)
             raise
         raw_digest = sha.digest() if sha is not None else sha256
         assert raw_digest is not None
@@ -127,15 +138,15 @@ class BlobStore:
                 timeout=ACK_TIMEOUT_S,
             )
         except BaseException:
-            await self._purge(chunk_subject)
+            await self._clear(chunk_subject)
             raise
         if old is not None:
-            await self._purge(OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=old.nuid))
+            await self._clear(OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=old.nuid))
         return info
 
-    async def get(self, name: str, timeout_s: float = 30.0) -> bytes:
-        """Fetch an object whole, verifying its digest."""
-        return b"".join([chunk async for chunk in self._chunks(name, timeout_s)])
+    async def get(self, name: str, timeout_s: float = 30.0, sha256_hex: str | None = None) -> bytes:
+        """Fetch an object whole, verifying its digest (and that it is `sha256_hex`, when given)."""
+        return b"".join([chunk async for chunk in self._chunks(name, timeout_s, want=sha256_hex)])
 
     async def get_buffer(self, name: str, timeout_s: float = 30.0) -> memoryview:
         """Fetch an object into one writable buffer, verifying its digest (for readers that view it in place).
@@ -157,8 +168,11 @@ class BlobStore:
             raise BlobNotFound(f"no object {name!r} in store {self.bucket}")
         return info
 
-    async def _chunks(self, name: str, timeout_s: float, info: api.ObjectInfo | None = None) -> AsyncIterator[bytes]:
-        """The object's chunks in order; the digest is computed as they arrive and checked after the last.
+    async def _chunks(
+        self, name: str, timeout_s: float, info: api.ObjectInfo | None = None, want: str | None = None
+    ) -> AsyncIterator[bytes]:
+        """The object's chunks in order; the digest is computed as they arrive and checked after the last,
+        against the object's own record and, when given, the hex sha256 `want` the caller trusts.
 
         Hashing runs in a helper thread (sha256 releases the GIL), in chunk order, while this task
         keeps receiving: on a large object it costs as much CPU as receiving does.
@@ -196,16 +210,21 @@ class BlobStore:
                 await asyncio.gather(*hashed, return_exceptions=True)
         if offset != size:
             raise BlobCorrupt(f"object {name!r} in {self.bucket}: got {offset} bytes, expected {size}")
-        want = (info.digest or "").removeprefix(OBJ_DIGEST_TYPE)
+        recorded = (info.digest or "").removeprefix(OBJ_DIGEST_TYPE)
         got = base64.urlsafe_b64encode(sha.digest()).decode()
-        if want and want.rstrip("=") != got.rstrip("="):
+        if recorded and recorded.rstrip("=") != got.rstrip("="):
             raise BlobCorrupt(f"object {name!r} in {self.bucket}: digest mismatch")
+        if want is not None and sha.hexdigest() != want:
+            # The object's own record can be rewritten by whoever writes the store; the claim cannot.
+            raise BlobCorrupt(f"object {name!r} in {self.bucket}: content is not the sha256 its claim names")
 
     async def get_content(self, digest: str) -> bytes:
-        """Fetch a content-addressed blob by its `sha256:<hex>` digest."""
-        return await self.get(digest.removeprefix("sha256:"))
+        """Fetch a content-addressed blob by its `sha256:<hex>` digest, verified against that digest."""
+        hex_digest = digest.removeprefix("sha256:")
+        return await self.get(hex_digest, sha256_hex=hex_digest)
 
     async def delete(self, name: str) -> None:
+        """Delete an object (a no-op when there is none): a tombstone record, then its chunks are cleared."""
         info = await self.info(name)
         if info is None:
             return
@@ -216,7 +235,7 @@ class BlobStore:
             headers={api.Header.ROLLUP: "sub"},
             timeout=ACK_TIMEOUT_S,
         )
-        await self._purge(OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=info.nuid))
+        await self._clear(OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=info.nuid))
 
     async def names(self) -> list[str]:
         """Names of the live objects in the bucket."""
@@ -226,18 +245,61 @@ class BlobStore:
         except nats.js.errors.NotFoundError:
             return []
 
-    async def _wait_acks(self, futures: Iterable[asyncio.Future[api.PubAck]]) -> None:
-        futs = list(futures)
-        if not futs:
+    async def _publish_chunk(self, subject: str, piece: memoryview, name: str, size: int) -> None:
+        """Publish one chunk and wait for its ack; a full store raises PublishFailed naming the setting to raise."""
+        try:
+            await self.js.publish(subject, bytes(piece), timeout=ACK_TIMEOUT_S)
+        except nats.errors.TimeoutError:
+            raise AcksLost(f"object store {self.bucket}: chunk ack not received in {ACK_TIMEOUT_S:g}s") from None
+        except nats.js.errors.APIError as err:
+            if err.err_code == STORE_FULL:
+                raise PublishFailed(
+                    f"object store {self.bucket} is full: {name!r} ({size / (1 << 20):.1f} MiB) does not fit; "
+                    f"delete objects or raise {_limit_setting(self.bucket)}"
+                ) from None
+            raise
+
+    async def _wait_acks(
+        self,
+        subject: str,
+        pending: Iterable[tuple[asyncio.Future[api.PubAck], memoryview]],
+        name: str,
+        size: int,
+    ) -> None:
+        items = list(pending)
+        if not items:
+            return
+        # publish_async futures never resolve if the server rejects the publish: bound the wait.
+        _, waiting = await asyncio.wait([fut for fut, _ in items], timeout=ACK_TIMEOUT_S)
+        for fut in waiting:
+            fut.cancel()  # frees its slot in the client's window of pending publishes
+        for fut, _ in items:
+            if fut not in waiting:
+                fut.result()  # raises what the server answered instead of an ack
+        if waiting:
+            # Ask again for the first chunk without an ack, waiting for the answer: a full store says so. The
+            # copy is harmless: the caller clears the whole chunk subject of this failed put.
+            lost = next(piece for fut, piece in items if fut in waiting)
+            await self._publish_chunk(subject, lost, name, size)
+            raise AcksLost(f"object store {self.bucket}: chunk acks not received in {ACK_TIMEOUT_S:g}s")
+
+    async def _clear(self, subject: str) -> None:
+        """Remove every chunk on `subject`: a rollup marker replaces them (the stream purge API when even the
+        marker does not fit)."""
+        try:
+            await self.js.publish(subject, b"", headers={api.Header.ROLLUP: "sub"}, timeout=ACK_TIMEOUT_S)
+            return
+        except nats.js.errors.APIError as err:
+            if err.err_code != STORE_FULL:
+                return  # tolerated, as below
+        except Exception:  # best effort: the chunks were never announced, and a store's max age removes them
             return
         try:
-            # publish_async futures never resolve if the server rejects the publish: bound the wait.
-            await asyncio.wait_for(asyncio.gather(*futs), timeout=ACK_TIMEOUT_S)
-        except TimeoutError:
-            raise AcksLost(f"object store {self.bucket}: chunk acks not received in {ACK_TIMEOUT_S:g}s") from None
-
-    async def _purge(self, subject: str) -> None:
-        try:
             await self.js.purge_stream(self.stream, subject=subject)
-        except Exception:  # best effort clean-up of a failed write; the object was never announced
+        except Exception:  # best effort, as above
             pass
+
+
+def _limit_setting(bucket: str) -> str:
+    """The setting that bounds a run's store: stores are named relax_<run>_<key> (`relax_bus.topology`)."""
+    return f"bus.{bucket.rsplit('_', 1)[-1]}_max_bytes"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Generic
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext, api
@@ -13,19 +14,20 @@ from relax_bus.blobs import BlobStore
 from relax_bus.connection import connect
 from relax_bus.provision import read_config, state_kv
 from relax_bus.publisher import Publisher
-from relax_bus.settings import ConnectionSettings, RunConfig
+from relax_bus.settings import C, ConnectionSettings, RunConfig
 from relax_bus.topology import Topology, build_topology
 from relax_bus.version import PolicyVersion
 from schemas import Message
 
 
 @dataclass
-class Bus:
-    """Everything a role needs to talk to its run."""
+class Bus(Generic[C]):
+    """Everything a role needs to talk to its run. `config` is the stored run config read as the
+    model the caller names (the bus's own `RunConfig`, or the pipeline's, which extends it)."""
 
     nc: NATS
     js: JetStreamContext
-    config: RunConfig
+    config: C
     topology: Topology
     publisher: Publisher
     media: BlobStore
@@ -36,21 +38,32 @@ class Bus:
 
     @classmethod
     async def connect(
-        cls, settings: ConnectionSettings, run: str, *, name: str = "relax", retry_for_s: float = 0.0
-    ) -> Bus:
+        cls,
+        settings: ConnectionSettings,
+        run: str,
+        *,
+        name: str = "relax",
+        retry_for_s: float = 0.0,
+        config_model: type[C] = RunConfig,  # type: ignore[assignment]
+    ) -> Bus[C]:
         """Connect and load the run's config from KV (RunNotFound if `relax init` never ran)."""
         nc = await connect(settings, name=name, retry_for_s=retry_for_s)
         try:
-            return await cls.attach(nc, run)
+            return await cls.attach(nc, run, config_model)
         except BaseException:
             await nc.close()
             raise
 
     @classmethod
-    async def attach(cls, nc: NATS, run: str) -> Bus:
+    async def attach(
+        cls,
+        nc: NATS,
+        run: str,
+        config_model: type[C] = RunConfig,  # type: ignore[assignment]
+    ) -> Bus[C]:
         """Build a Bus over an existing connection."""
         js = nc.jetstream(timeout=10.0)
-        config = await read_config(js, run)
+        config = await read_config(js, run, model=config_model)
         assert config is not None
         topology = build_topology(config)
         max_payload = int(nc.max_payload or 1 << 20)
@@ -85,7 +98,7 @@ class Bus:
             except Exception:  # tolerated: draining a connection that is already broken
                 await self.nc.close()
 
-    async def __aenter__(self) -> Bus:
+    async def __aenter__(self) -> Bus[C]:
         return self
 
     async def __aexit__(

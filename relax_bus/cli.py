@@ -1,40 +1,110 @@
-"""The `relax` command. Arguments are parsed first; heavy modules are imported per command after."""
+"""The bus's commands: `server`, `init`, `inspect`, `auth`, `decode` (`server` and `auth` in
+`relax_bus.cli_server`). Arguments are parsed first; heavy modules are imported per command after.
+
+The `relax` console command, defined by the roles' package, adds the role and training commands
+(`worker`, `run`, `replay`, `config`) and names the run config model (the pipeline's), so this
+package never imports the roles. `python -m relax_bus.cli` is the bus alone, for runs whose config
+has only bus sections.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import json
+import os
 import sys
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from relax_bus.cli_server import auth_command, server_command
+
+if TYPE_CHECKING:
+    from relax_bus.settings import C, RunConfig
+
+Command = Callable[[argparse.Namespace, "type[RunConfig]"], "int | Awaitable[int]"]
+"""A subcommand: given the parsed arguments and the run config model, an exit code (or a coroutine)."""
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+CONFIG_HELP = (
+    "run config, YAML or JSON (every key: docs/configuration.md; `relax config show CONFIG` fills in defaults)"
+)
+OVERRIDES_HELP = (
+    "settings over CONFIG's, each section.key=value with a YAML value (trainer.lr=1e-4, "
+    "rollout.engine.type=vllm, 'rewards=[{type: exact}]'), validated with the file"
+)
 
 
-def _parser() -> argparse.ArgumentParser:
+def with_overrides(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the `section.key=value ...` positionals a command that reads CONFIG takes after it."""
+    sp.add_argument("overrides", nargs="*", metavar="section.key=value", help=OVERRIDES_HELP)
+    return sp
+
+
+class _VersionAction(argparse.Action):
+    """`--version`: the package's and nats-server's versions, looked up only when asked for."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        from relax_bus.about import version_text
+
+        print(version_text())
+        parser.exit()
+
+
+def with_nats(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the `--nats-url` flag every command that connects takes."""
+    sp.add_argument(
+        "--nats-url",
+        help="NATS server URL(s), comma-separated (default: $RELAX_NATS_URL or nats://127.0.0.1:4222)",
+    )
+    return sp
+
+
+def size(text: str) -> int:
+    """A byte count flag: `1048576`, `512M`, `32G` (powers of 1024)."""
+    from relax_bus.server_conf import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, Any]:
+    """The parser with the bus's subcommands, and its subparsers (to add more to)."""
     p = argparse.ArgumentParser(
         prog="relax", description="Relax-bus: asynchronous RL post-training over NATS JetStream."
     )
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
+    p.add_argument("--version", action=_VersionAction, help="print the version and the pinned nats-server's, and exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def with_nats(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        sp.add_argument(
-            "--nats-url",
-            help="NATS server URL(s), comma-separated (default: $RELAX_NATS_URL or nats://127.0.0.1:4222)",
-        )
-        return sp
-
     s = sub.add_parser("server", help="run an embedded nats-server with JetStream until interrupted")
-    s.add_argument("--port", type=int, default=4222, help="client port (0 picks a free one; default 4222)")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--store-dir", default="./.relax/nats", help="JetStream file store (default ./.relax/nats)")
-    s.add_argument("--monitor-port", type=int, help="HTTP monitoring port (off by default)")
+    s.add_argument("--port", type=int, help="client port (0 picks a free one; default 4222)")
+    s.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--store-dir", help="JetStream file store (default: the bundle's, else ./.relax/nats)")
+    s.add_argument("--monitor-port", type=int, help="HTTP monitoring port (off by default; no authentication)")
     s.add_argument("--nats-server-bin", help="path of the nats-server binary (default: found automatically)")
+    s.add_argument(
+        "--auth",
+        metavar="DIR",
+        help="run DIR/nats-server.conf, written by `relax auth`: its users, limits, listener and TLS",
+    )
+    s.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="listen beyond loopback without --auth (anyone who reaches the port may read and write every run)",
+    )
 
     i = with_nats(sub.add_parser("init", help="create or update a run's streams, consumers and stores from CONFIG"))
-    i.add_argument("config", help="run config (YAML or JSON)")
+    i.add_argument(
+        "config",
+        help=CONFIG_HELP,
+    )
+    with_overrides(i)
     i.add_argument("--json", action="store_true", help="print the result as JSON")
     i.add_argument(
         "--wait",
@@ -48,20 +118,22 @@ def _parser() -> argparse.ArgumentParser:
     n.add_argument("run", help="run id")
     n.add_argument("--json", action="store_true", help="print the result as JSON")
 
-    w = with_nats(sub.add_parser("worker", help="run one role of an initialised run (its config comes from KV)"))
-    w.add_argument("role", choices=ROLES, help="the role to run")
-    w.add_argument("--run", "--run-id", dest="run", required=True, help="run id")
-    w.add_argument("--work-dir", default="./.relax/work", help="local cache for model files (default ./.relax/work)")
-    w.add_argument("--threads", type=int, default=1, help="torch threads of this process (default 1)")
-    w.add_argument(
-        "--log-level",
-        choices=["debug", "info", "warning", "error"],
-        default=argparse.SUPPRESS,
-        help="log level (also accepted before the command)",
+    d = sub.add_parser(
+        "decode",
+        help="print a message body (msgpack, on stdin) as JSON: nats stream get STREAM SEQ --translate 'relax decode'",
     )
+    d.add_argument(
+        "--lines",
+        action="store_true",
+        help="one message per input line (a base64 body or `nats stream get --json` output), one JSON line each",
+    )
+    d.add_argument("--compact", action="store_true", help="one line of JSON instead of an indented block")
 
     a = sub.add_parser("auth", help="write a nats-server config with one least-privilege user per role of CONFIG's run")
-    a.add_argument("config", help="run config (YAML or JSON)")
+    a.add_argument(
+        "config",
+        help=CONFIG_HELP,
+    )
     a.add_argument("--out", required=True, help="directory for nats-server.conf, auth.conf and <role>.env files")
     a.add_argument("--host", default="127.0.0.1", help="address the server listens on (default 127.0.0.1)")
     a.add_argument("--port", type=int, default=4222, help="client port (default 4222)")
@@ -70,38 +142,69 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--tls-key", help="server private key (with --tls-cert)")
     a.add_argument("--tls-ca", help="CA that signed the certificate, written into the credentials files")
     a.add_argument("--force", action="store_true", help="replace credentials written before")
+    a.add_argument(
+        "--allow-plaintext",
+        action="store_true",
+        help="allow a --host (or --cluster-listen) beyond loopback without TLS: a private network only",
+    )
+    a.add_argument(
+        "--nkeys",
+        action="store_true",
+        help="log in with nkeys instead of passwords: a <role>.nk seed per role, no secret on the wire",
+    )
+    a.add_argument("--client-url", help="URL(s) the .env files give the roles (default: from --host and --port)")
+    a.add_argument(
+        "--role-dirs", action="store_true", help="put each role's files into DIR/<role>/ (one directory to hand over)"
+    )
+    lim = a.add_argument_group("server limits (a role's leaked credentials cannot exhaust the server)")
+    lim.add_argument(
+        "--max-payload", type=size, help="largest message (default 1M, or the run's bus.max_msg_bytes if more)"
+    )
+    lim.add_argument(
+        "--max-file-store", type=size, help="JetStream file storage of the run (default: its byte bounds + 1G)"
+    )
+    lim.add_argument(
+        "--max-memory-store", type=size, help="JetStream memory storage of the run (default: its byte bounds + 1G)"
+    )
+    lim.add_argument("--max-streams", type=int, default=32, help="streams of the run's account (default 32)")
+    lim.add_argument("--max-consumers", type=int, default=1024, help="consumers of the run's account (default 1024)")
+    lim.add_argument("--monitor-port", type=int, help="HTTP monitoring on 127.0.0.1:PORT (off by default)")
+    c = a.add_argument_group("cluster routes (the route listener needs a password: cluster.conf)")
+    c.add_argument("--cluster-routes", help="HOST:PORT of every server's route listener, comma-separated")
+    c.add_argument("--cluster-name", default="relax", help="cluster name (default relax)")
+    c.add_argument("--cluster-listen", help="where this server listens for routes (default HOST:6222, HOST of --host)")
 
-    y = with_nats(sub.add_parser("replay", help="recompute one step of a run from its checkpoint and compare the loss"))
-    y.add_argument("run", help="run id")
-    y.add_argument("--step", type=int, required=True, help="the step to recompute")
-    y.add_argument("--work-dir", default="./.relax/work", help="local cache for model files (default ./.relax/work)")
-    y.add_argument("--json", action="store_true", help="print the result as JSON")
-
-    r = sub.add_parser("run", help="run a whole training run locally: NATS, every role, progress, reward curve")
-    r.add_argument("config", help="run config (YAML or JSON)")
-    r.add_argument("--nats-url", help="use this NATS server instead of starting an embedded one")
-    r.add_argument("--run-dir", help="where metrics, curve, logs and the NATS store go (default runs/<run>)")
-    r.add_argument("--steps", type=int, help="override trainer.steps")
-    r.add_argument("--run-id", help="override the config's run id")
-    return p
+    return p, sub
 
 
-# Roles and the modules that run them: imported only by the command that needs them.
-ROLES = ("feeder", "rollout", "reward", "reference", "actor")
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    parser: argparse.ArgumentParser | None = None,
+    commands: dict[str, Command] | None = None,
+    config_model: Callable[[], type[RunConfig]] | None = None,
+) -> int:
+    """Parse, run one command, and turn the bus's deliberate errors into `relax: error: ...`, exit 2.
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    `config_model` returns the run config model the commands read configs as (default: the bus's own);
+    it is called after parsing, so `--help` imports nothing heavy."""
+    parser = parser or build_parser()[0]
+    args, extra = parser.parse_known_args(argv)
+    # `relax run CONFIG --steps 3 trainer.lr=1e-4`: argparse gives up on positionals after an option,
+    # so assignments that come after a flag arrive here; anything else is an error, as parse_args makes it.
+    if extra and isinstance(getattr(args, "overrides", None), list) and all(_is_assignment(e) for e in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from relax_bus import log
     from relax_bus.errors import RelaxBusError
+    from relax_bus.settings import RunConfig
 
     log.configure(args.log_level)
     try:
-        if args.command == "server":
-            return _server(args)
-        if args.command == "auth":
-            return _auth(args)
-        return asyncio.run(_COMMANDS[args.command](args))
+        model = config_model() if config_model is not None else RunConfig
+        result = {**COMMANDS, **(commands or {})}[args.command](args, model)
+        return asyncio.run(result) if asyncio.iscoroutine(result) else result  # type: ignore[return-value]
     except RelaxBusError as err:
         print(f"relax: error: {err}", file=sys.stderr)
         return 2
@@ -109,7 +212,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _settings(args: argparse.Namespace) -> Any:
+def _is_assignment(arg: str) -> bool:
+    return not arg.startswith("-") and "=" in arg
+
+
+def config_with_overrides(args: argparse.Namespace, model: type[C], **sugar: Any) -> C:
+    """`args.config` read as `model` with `args.overrides` (and `sugar`, dotted keys set by flags) applied."""
+    from relax_bus.overrides import load_with_overrides, parse_overrides
+
+    overrides = parse_overrides(getattr(args, "overrides", None) or [])
+    overrides.update({k: v for k, v in sugar.items() if v is not None})
+    return load_with_overrides(args.config, overrides, model)
+
+
+def connection_settings(args: argparse.Namespace) -> Any:
+    """Connection settings from `--nats-url` and the RELAX_* environment."""
     from pydantic import ValidationError
 
     from relax_bus.errors import ConfigError
@@ -122,14 +239,13 @@ def _settings(args: argparse.Namespace) -> Any:
         raise ConfigError("connection settings (flags / RELAX_* environment)", validation_problems(err)) from None
 
 
-async def _init(args: argparse.Namespace) -> int:
+async def _init(args: argparse.Namespace, config_model: type[RunConfig]) -> int:
     from relax_bus.connection import connect
     from relax_bus.provision import provision_when_ready
-    from relax_bus.settings import load_run_config
 
-    config = load_run_config(args.config)
+    config = config_with_overrides(args, config_model)
     started = time.monotonic()
-    nc = await connect(_settings(args), name="relax-init", retry_for_s=args.wait)
+    nc = await connect(connection_settings(args), name="relax-init", retry_for_s=args.wait)
     try:
         wait_left = max(0.0, args.wait - (time.monotonic() - started))
         report = await provision_when_ready(nc.jetstream(timeout=10.0), config, wait_left)
@@ -148,11 +264,11 @@ async def _init(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _inspect(args: argparse.Namespace) -> int:
+async def _inspect(args: argparse.Namespace, config_model: type[RunConfig]) -> int:
     from relax_bus.connection import connect
     from relax_bus.inspect import gather, render
 
-    nc = await connect(_settings(args), name="relax-inspect")
+    nc = await connect(connection_settings(args), name="relax-inspect")
     try:
         info = await gather(nc.jetstream(timeout=10.0), args.run)
     finally:
@@ -161,116 +277,42 @@ async def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _auth(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from relax_bus.credentials import write_bundle
-    from relax_bus.errors import ConfigError
-    from relax_bus.settings import load_run_config
-
-    config = load_run_config(args.config)
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise ConfigError("relax auth flags", ["--tls-cert and --tls-key must be given together"])
-    out = Path(args.out)
-    bundle = write_bundle(
-        config,
-        out,
-        host=args.host,
-        port=args.port,
-        store_dir=Path(args.store_dir),
-        tls=(Path(args.tls_cert), Path(args.tls_key)) if args.tls_cert else None,
-        tls_ca_file=Path(args.tls_ca) if args.tls_ca else None,
-        force=args.force,
-    )
-    stored = "bcrypt hashes" if bundle.hashed else "plain text (no bcrypt in this C library: keep it private)"
-    print(f"run {config.run}: {len(bundle.credentials)} NATS users written to {out} (auth.conf holds {stored})")
-    print(f"  {bundle.server_conf}  start it: nats-server -c {bundle.server_conf}")
-    print(f"  {bundle.auth_conf}  users and permissions (include it in another server config)")
-    for role, path in bundle.env_files.items():
-        print(f"  {path}  user {bundle.credentials[role].user} (mode 0600)")
-    print(f"run a role with its file: (set -a; . {out / 'rollout.env'}; relax worker rollout --run {config.run})")
-    return 0
-
-
-def _server(args: argparse.Namespace) -> int:
-    import signal
-    import threading
-
-    from relax_bus.server import EmbeddedServer, free_port
-
-    server = EmbeddedServer(
-        port=args.port or free_port(args.host),
-        host=args.host,
-        store_dir=args.store_dir,
-        binary=args.nats_server_bin or _settings(args).nats_server_bin,
-        monitor_port=args.monitor_port,
-    )
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    server.start()
-    print(
-        f"nats-server {server.url} (pid {server.pid}, JetStream store {server.store_dir}); Ctrl-C stops it",
-        flush=True,
-    )
+def _decode(args: argparse.Namespace, config_model: type[RunConfig]) -> int:
+    indent = None if args.compact or args.lines else 2
+    inputs = [line for line in sys.stdin.buffer if line.strip()] if args.lines else [sys.stdin.buffer.read()]
     try:
-        while not stop.wait(0.5):
-            if server.proc is not None and server.proc.poll() is not None:
-                print(
-                    f"relax: error: nats-server exited with code {server.proc.returncode}:\n{server.log_tail()}",
-                    file=sys.stderr,
-                )
-                return 1
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
-    return 0
+        return _decode_each(inputs, args.lines, indent)
+    except BrokenPipeError:  # tolerated: the reader stopped early (`relax decode | head`)
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - so that the exit's flush does not raise again
+        return 0
 
 
-async def _worker(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def _decode_each(inputs: list[bytes], lines: bool, indent: int | None) -> int:
+    from relax_bus.message_json import Undecodable, line_to_json, to_json
 
-    roles = importlib.import_module("workers.roles")
-    code: int = await roles.run_role(args.role, _settings(args), args.run, Path(args.work_dir), args.threads)
-    return code
-
-
-async def _replay(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from relax_bus.bus import Bus
-
-    replay = importlib.import_module("workers.replay")
-    async with await Bus.connect(_settings(args), args.run, name="relax-replay") as bus:
-        result = await replay.replay(bus, args.step, Path(args.work_dir))
-    print(json.dumps(result.as_dict(), indent=2) if args.json else replay.render(result))
-    return 0 if result.matches() else 1
-
-
-async def _run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from relax_bus.settings import load_run_config
-
-    overrides: dict[str, Any] = {}
-    if args.run_id:
-        overrides["run"] = args.run_id
-    config = load_run_config(args.config, overrides)
-    if args.steps:
-        config = config.model_copy(update={"trainer": config.trainer.model_copy(update={"steps": args.steps})})
-    launcher = importlib.import_module("workers.launcher")
-    run_dir = Path(args.run_dir or f"runs/{config.run}")
-    summary = await launcher.launch(config, run_dir, args.nats_url, sys.stdout)
-    print(
-        f"\nrun {summary['run']}: {summary['steps']} steps in {summary['wall_s']}s, "
-        f"reward {summary['reward_start']} -> {summary['reward_end']}"
-    )
-    print(f"metrics: {summary['metrics']}")
-    print(f"reward curve: {summary['curve']}")
-    return 0
+    status = 0
+    for n, data in enumerate(inputs, 1):
+        where = f"line {n}: " if lines else ""
+        try:
+            out, warning = line_to_json(data) if lines else to_json(data)
+        except Undecodable as err:  # deliberate: bad input is the user's to see, in one line per message
+            print(f"relax: error: {where}{err}", file=sys.stderr)
+            status = 2
+            continue
+        print(json.dumps(out, indent=indent, default=str), flush=True)
+        if warning:
+            print(f"relax: warning: {where}{warning}", file=sys.stderr)
+            status = max(status, 1)
+    return status
 
 
-_COMMANDS = {"init": _init, "inspect": _inspect, "worker": _worker, "replay": _replay, "run": _run}
+COMMANDS: dict[str, Command] = {
+    "server": server_command,
+    "init": _init,
+    "inspect": _inspect,
+    "auth": auth_command,
+    "decode": _decode,
+}
 
 if __name__ == "__main__":
     sys.exit(main())

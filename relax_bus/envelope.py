@@ -1,12 +1,22 @@
 """Message envelopes: headers, deterministic publish ids, and the claim check.
 
 A message whose encoded size exceeds the run's claim-check threshold is stored in the run's media
-object store under its content digest; the NATS message then carries an empty body and a
-`Relax-Claim: sha256:<hex>` header. `open_message` reverses this, so handlers never see the difference.
+object store; the NATS message then carries an empty body, a `Relax-Claim: sha256:<hex>` header (the
+digest the reader verifies) and a `Relax-Claim-Object: claim/<uuid>` header (the object). `open_message`
+reverses this, so handlers never see the difference.
+
+Each sealed message gets an object of its own, never shared with another message (content addressing
+would let two messages with equal bytes share one): so the consumer that settles a work-queue message
+can delete its object (`relax_bus.settle`) without asking who else refers to it. A copy of the headers
+(a dead letter) refers to the same object, which is why dead-lettering keeps it; the media store's
+max age removes what nobody deletes. A claim without an object header names a content-addressed object
+(`BlobStore.put_content`), which is never deleted on settle.
 """
 
 from __future__ import annotations
 
+import hashlib
+import uuid
 from collections.abc import Mapping
 
 from relax_bus.blobs import BlobStore
@@ -26,6 +36,9 @@ MSG_ID = "Nats-Msg-Id"
 KIND = "Relax-Kind"
 SCHEMA = "Relax-Schema"
 CLAIM = "Relax-Claim"
+CLAIM_OBJECT = "Relax-Claim-Object"
+CLAIM_PREFIX = "claim/"
+"""Names of the per-message claim objects in the media store (the only objects a settle deletes)."""
 
 
 def message_id(message: Message) -> str | None:
@@ -59,17 +72,35 @@ async def seal(
     if mid is not None:
         headers[MSG_ID] = mid
     if len(payload) > threshold:
-        headers[CLAIM] = await media.put_content(payload)
+        sha = hashlib.sha256(payload).digest()
+        name = f"{CLAIM_PREFIX}{uuid.uuid4().hex}"
+        await media.put(name, payload, sha256=sha)
+        headers[CLAIM] = "sha256:" + sha.hex()
+        headers[CLAIM_OBJECT] = name
         payload = b""
     return payload, headers
 
 
+def claim_object(headers: Mapping[str, str] | None) -> str | None:
+    """The per-message media object a claim-checked message refers to; None for an inline message or a
+    content-addressed claim."""
+    headers = headers or {}
+    name = headers.get(CLAIM_OBJECT)
+    if CLAIM not in headers or name is None or not name.startswith(CLAIM_PREFIX):
+        return None
+    return name
+
+
 async def open_payload(data: bytes, headers: Mapping[str, str] | None, media: BlobStore) -> bytes:
-    """The message bytes, fetched from the media store when the message is a claim check."""
+    """The message bytes, fetched from the media store (and checked against the claimed digest) when the
+    message is a claim check."""
     claim = (headers or {}).get(CLAIM)
     if claim is None:
         return data
-    return await media.get_content(claim)
+    name = claim_object(headers)
+    if name is None:
+        return await media.get_content(claim)
+    return await media.get(name, sha256_hex=claim.removeprefix("sha256:"))
 
 
 async def open_message(

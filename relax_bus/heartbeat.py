@@ -2,6 +2,10 @@
 
 A worker that stops writing (crashed, hung, partitioned) disappears when its entry ages out; no
 controller clock is involved. Keys are `<role>.<worker_id>`.
+
+Values are JSON text, so `nats kv get relax_<run>_workers <key>` shows them as they are. Heartbeats
+were msgpack (the message bodies' format) before: `read_heartbeat` still reads such an entry, so a
+worker of a run started before the change stays visible until it is restarted.
 """
 
 from __future__ import annotations
@@ -10,14 +14,18 @@ import asyncio
 import json
 import os
 import socket
+import time
 from collections.abc import Callable
 
 import nats.errors
 import nats.js.errors
 from nats.js.kv import KeyValue
 
+from relax_bus.cancel import cancel_and_wait
+from relax_bus.kv_keys import kv_keys
 from relax_bus.log import get_logger
-from schemas import WorkerHeartbeat, decode, encode
+from schemas import UnknownSchemaVersion, WorkerHeartbeat, decode
+from schemas.messages import SCHEMA_MAJOR
 
 log = get_logger(__name__)
 
@@ -43,6 +51,27 @@ def process_heartbeat(
     )
 
 
+def heartbeat_bytes(beat: WorkerHeartbeat) -> bytes:
+    """A heartbeat as the workers bucket stores it: one line of JSON."""
+    return beat.model_dump_json().encode()
+
+
+def read_heartbeat(value: bytes) -> WorkerHeartbeat:
+    """A stored heartbeat: JSON, or the msgpack of workers started before heartbeats were JSON.
+
+    A JSON object starts with `{`; a msgpack map never does (its first byte is 0x80-0x8f, 0xde or 0xdf).
+    Raises pydantic's ValidationError or a SchemaError for anything else.
+    """
+    if value[:1] != b"{":
+        return decode(value, WorkerHeartbeat)
+    beat = WorkerHeartbeat.model_validate_json(value)
+    if int(beat.schema_version.split(".", 1)[0]) != SCHEMA_MAJOR:
+        raise UnknownSchemaVersion(
+            f"heartbeat schema version {beat.schema_version} is not supported (this code reads major {SCHEMA_MAJOR})"
+        )
+    return beat
+
+
 class HeartbeatWriter:
     """Background task that writes `make()` to the workers bucket every `interval_s` seconds."""
 
@@ -52,9 +81,17 @@ class HeartbeatWriter:
         self.make = make
         self.interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
+        self.last_beat_at: float | None = None
+        """`time.monotonic()` when the newest beat was stored (None before the first)."""
 
     async def beat(self) -> None:
-        await self.kv.put(self.key, encode(self.make()))
+        await self.kv.put(self.key, heartbeat_bytes(self.make()))
+        self.last_beat_at = time.monotonic()
+
+    @property
+    def running(self) -> bool:
+        """Whether the background task is beating."""
+        return self._task is not None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name=f"heartbeat:{self.key}")
@@ -71,11 +108,7 @@ class HeartbeatWriter:
     async def stop(self, remove: bool = True) -> None:
         """Stop beating; with `remove`, delete the entry so the worker vanishes at once."""
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(self._task)
             self._task = None
         if remove:
             try:
@@ -86,19 +119,15 @@ class HeartbeatWriter:
 
 async def live_workers(kv: KeyValue) -> list[WorkerHeartbeat]:
     """Heartbeats of every worker whose entry has not expired, sorted by role then id."""
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return []
     beats = []
-    for key in keys:
+    for key in await kv_keys(kv):
         try:
             entry = await kv.get(key)
         except nats.js.errors.KeyNotFoundError:
             continue  # expired between keys() and get()
         if entry.value:
             try:
-                beats.append(decode(entry.value, WorkerHeartbeat))
+                beats.append(read_heartbeat(entry.value))
             except Exception:  # tolerated: a foreign or old entry in the bucket is not a worker
                 log.debug(
                     "heartbeat_unreadable",

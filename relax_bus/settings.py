@@ -9,29 +9,46 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from typing_extensions import TypeVar
 
+from relax_bus.chain import Role, chain_problems
 from relax_bus.errors import ConfigError
-from relax_bus.pipeline_config import (
-    ModelConfig,
-    RewardConfig,
-    RolesConfig,
-    RolloutConfig,
-    TaskConfig,
-    TrainerConfig,
-)
 
 RUN_ID = r"^[A-Za-z0-9_-]{1,48}$"
+HEADER_BYTES = 8 * 1024
+"""Room for a message's headers that `bus.max_msg_bytes` must leave above the claim-check threshold."""
+DEFAULT_HEADROOM = 64 * 1024
+"""What the default `bus.max_msg_bytes` allows above the claim-check threshold (headers are a few hundred bytes)."""
 
 
 def _split_urls(value: Any) -> Any:
     if isinstance(value, str):
         return [u.strip() for u in value.split(",") if u.strip()]
     return value
+
+
+def redacted(urls: str) -> str:
+    """NATS URL(s) as they may be shown: the password of `user:pass@host` and a token (`token@host`) become `***`."""
+    out = []
+    for url in urls.split(","):
+        parts = urlsplit(url.strip())
+        if "@" in parts.netloc:
+            host = parts.netloc.rsplit("@", 1)[1]
+            who = f"{parts.username}:***" if parts.password is not None else "***"
+            parts = parts._replace(netloc=f"{who}@{host}")
+        out.append(urlunsplit(parts))
+    return ",".join(out)
+
+
+def has_secret(urls: str) -> bool:
+    """Whether a NATS URL carries credentials (a password or a token): they must stay out of argv and logs."""
+    return any("@" in urlsplit(u.strip()).netloc for u in urls.split(","))
 
 
 class ConnectionSettings(BaseSettings):
@@ -50,7 +67,10 @@ class ConnectionSettings(BaseSettings):
     token: str | None = None
     """Token for token authentication."""
     creds_file: Path | None = None
-    """NATS credentials file (JWT + nkey) for decentralised authentication."""
+    """NATS credentials file (`.creds`: a user JWT and its nkey seed) for decentralised authentication."""
+    nkey_seed_file: Path | None = None
+    """File holding an nkey user seed (`SU...`, `relax auth --nkeys` writes `<role>.nk`): the server checks a
+    signature, so no secret crosses the network."""
     inbox_prefix: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_$-]+(\.[A-Za-z0-9_$-]+)*$")
     """Prefix of this client's reply subjects (default _INBOX); `relax auth` gives each user its own."""
     tls_ca_file: Path | None = None
@@ -76,7 +96,7 @@ class ConnectionSettings(BaseSettings):
 class StalenessConfig(BaseModel):
     """How far rollouts may lag behind the trainer."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     max_staleness: int | None = Field(default=1, ge=0)
     """Largest allowed trainer version minus sample version; 0 is on-policy, null (or "unbounded") is
@@ -101,7 +121,7 @@ class StalenessConfig(BaseModel):
 class BusConfig(BaseModel):
     """Limits of the run's streams, consumers and stores."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     storage: Literal["file", "memory"] = "file"
     """JetStream storage of every stream; file survives a server crash."""
@@ -125,12 +145,35 @@ class BusConfig(BaseModel):
     """Window in which a republished Nats-Msg-Id is recognised as a duplicate."""
     dlq_max_age_s: float = Field(default=14 * 86400, gt=0)
     """How long dead letters are kept."""
+    dlq_max_bytes: int = Field(default=256 << 20, ge=1 << 20)
+    """Byte bound of the dlq stream; at the bound the oldest letters go first, so dead-lettering never blocks a
+    hop (JetStream reserves it on the server's disk)."""
     events_max_msgs: int = Field(default=100_000, ge=1)
     """Bound of the events stream (oldest go first)."""
+    events_max_bytes: int = Field(default=256 << 20, ge=1 << 20)
+    """Byte bound of the events stream, oldest first out (JetStream reserves it on the server's disk)."""
     claim_check_bytes: int = Field(default=512 * 1024, ge=1024)
     """Payloads above this size go to the object store; the message carries only their digest."""
+    max_msg_bytes: int | None = Field(default=None, ge=1024)
+    """Largest message (headers included) any stream of the run stores; the server refuses a bigger publish.
+    Null: claim_check_bytes plus 64 KiB. At least claim_check_bytes plus 8 KiB, so that every message the claim
+    check leaves inline fits."""
+    media_max_bytes: int = Field(default=2 << 30, ge=1 << 20)
+    """Byte bound of the media store (claim-check payloads and media items); a full store refuses new objects with
+    an error naming this setting (JetStream reserves it on the server's disk)."""
+    media_max_age_s: float = Field(default=7 * 86400, gt=0)
+    """Age at which an object leaves the media store: the backstop for claim checks nobody deleted (a hop's
+    claim is deleted when its consumer settles it). At least train_max_age_s: replay reads claim-checked train
+    groups. Media items put by digest age out too (put them again for a longer run)."""
     weights_keep: int = Field(default=3, ge=1)
     """Policy versions kept in the weights store."""
+    weights_max_bytes: int | None = Field(default=None, ge=1 << 20)
+    """Byte bound of the weights store; null: none. Only the trainer may write this store, and its retention
+    bounds it: v0 and the newest weights_keep versions (one more while the next is written) plus the
+    checkpoints (step 0's and the newest trainer.keep_checkpoints, one more while the next is written; about
+    3x the weights with AdamW) — ~14 GB for a 135M-parameter float32 model at the defaults, more than a bound
+    reserved up front should take from every run. A bound is reserved on the server's disk (JetStream), and a
+    put that does not fit fails with an error naming this setting."""
     heartbeat_ttl_s: float = Field(default=15.0, ge=1)
     """A worker that has not written its heartbeat for this long is gone."""
 
@@ -143,32 +186,88 @@ class BusConfig(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _limits_fit_their_contents(self) -> BusConfig:
+        problems = []
+        inline = self.claim_check_bytes + HEADER_BYTES
+        if self.max_msg_bytes is not None and self.max_msg_bytes < inline:
+            problems.append(
+                f"max_msg_bytes ({self.max_msg_bytes}) must be at least claim_check_bytes ({self.claim_check_bytes}) "
+                f"+ {HEADER_BYTES} for headers, or a message just under the claim-check threshold would be refused"
+            )
+        bounds = {"hop_max_bytes": self.hop_max_bytes, "train_max_bytes": self.train_max_bytes}
+        bounds |= {"dlq_max_bytes": self.dlq_max_bytes, "events_max_bytes": self.events_max_bytes}
+        for name, bound in bounds.items():
+            if bound < self.msg_bytes_limit:
+                problems.append(
+                    f"{name} ({bound}) is smaller than the largest message ({self.msg_bytes_limit}, max_msg_bytes): "
+                    "such a message could never be stored"
+                )
+        if self.media_max_age_s < self.train_max_age_s:
+            problems.append(
+                f"media_max_age_s ({self.media_max_age_s:g}) must be at least train_max_age_s "
+                f"({self.train_max_age_s:g}): a claim-checked train group would lose its payload while the train "
+                "stream still keeps it for replay"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def msg_bytes_limit(self) -> int:
+        """The largest message a stream of the run stores: `max_msg_bytes`, or claim_check_bytes plus 64 KiB."""
+        if self.max_msg_bytes is not None:
+            return self.max_msg_bytes
+        return self.claim_check_bytes + DEFAULT_HEADROOM
+
 
 class RunConfig(BaseModel):
-    """Everything that defines a run; stored in the run's KV bucket by `relax init`."""
+    """What the bus needs of a run; stored in the run's KV bucket by `relax init`.
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    The RL pipeline (model, task, rewards, rollout, trainer) extends this model in the roles' package
+    (its `PipelineConfig`); the bus reads only these fields of a stored config.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    tunable: ClassVar[frozenset[str]] = frozenset(
+        {
+            "bus.hop_max_msgs",
+            "bus.hop_max_bytes",
+            "bus.train_max_age_s",
+            "bus.train_max_bytes",
+            "bus.ack_wait_s",
+            "bus.max_deliver",
+            "bus.max_ack_pending",
+            "bus.duplicate_window_s",
+            "bus.dlq_max_age_s",
+            "bus.dlq_max_bytes",
+            "bus.events_max_msgs",
+            "bus.events_max_bytes",
+            "bus.claim_check_bytes",
+            "bus.max_msg_bytes",
+            "bus.media_max_bytes",
+            "bus.media_max_age_s",
+            "bus.weights_keep",
+            "bus.weights_max_bytes",
+        }
+    )
+    """Dotted settings an existing run may change on a second `relax init`; anything else is refused."""
 
     run: str = Field(pattern=RUN_ID)
     """Run id: letters, digits, '-' and '_' (it names streams and buckets)."""
     groups_per_step: int = Field(default=8, ge=1)
-    """Prompt groups per optimizer step."""
+    """Prompt groups per trainer step (one published policy version; the trainer may split them into several
+    optimizer updates)."""
     samples_per_group: int = Field(default=8, ge=1, le=4096)
     """Responses sampled per prompt (the GRPO group size)."""
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)
+    """How far rollouts may lag behind the trainer."""
     bus: BusConfig = Field(default_factory=BusConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    task: TaskConfig = Field(default_factory=TaskConfig)
-    rewards: tuple[RewardConfig, ...] = ()
-    """Reward terms; empty means the task's default (exact match for the built-in tasks)."""
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    roles: RolesConfig = Field(default_factory=RolesConfig)
-
-    @property
-    def reference(self) -> bool:
-        """Whether the reference role is in the chain (reward -> scored -> reference -> train)."""
-        return self.trainer.kl_coef > 0
+    """Limits of the run's streams, consumers and stores."""
+    chain: tuple[Role, ...] = ()
+    """The roles and the hops they read and write, in order. Filled in from the role registry of the
+    process that loads the config (`relax config show` prints it); not written by hand."""
 
     @model_validator(mode="after")
     def _hop_holds_a_step(self) -> RunConfig:
@@ -182,31 +281,19 @@ class RunConfig(BaseModel):
                 f"bus.max_ack_pending ({self.bus.max_ack_pending}) is smaller than groups_per_step "
                 f"({self.groups_per_step}): the trainer holds a whole step unacked, so it would wait forever"
             )
+        if problems := chain_problems(self.chain):
+            raise ValueError("chain: " + "; ".join(problems))
         return self
 
+    @classmethod
+    def from_stored(cls: type[C], data: dict[str, Any]) -> C:
+        """Validate a stored config, keeping only the sections this model knows (a bus-only reader
+        of a pipeline run's config ignores the pipeline's sections)."""
+        return cls.model_validate({k: v for k, v in data.items() if k in cls.model_fields})
 
-# Settings an existing run may change on a second `relax init`; anything else is refused.
-TUNABLE = frozenset(
-    {
-        "bus.hop_max_msgs",
-        "bus.hop_max_bytes",
-        "bus.train_max_age_s",
-        "bus.train_max_bytes",
-        "bus.ack_wait_s",
-        "bus.max_deliver",
-        "bus.max_ack_pending",
-        "bus.duplicate_window_s",
-        "bus.dlq_max_age_s",
-        "bus.events_max_msgs",
-        "bus.claim_check_bytes",
-        "bus.weights_keep",
-        "roles.rollout",
-        "roles.reward",
-        "roles.reference",
-        "trainer.checkpoint_every",
-        "trainer.keep_checkpoints",
-    }
-)
+
+C = TypeVar("C", bound=RunConfig, default=RunConfig)
+"""A run config model: the bus's own, or one that extends it."""
 
 
 def incompatible_changes(old: RunConfig, new: RunConfig) -> list[str]:
@@ -215,7 +302,7 @@ def incompatible_changes(old: RunConfig, new: RunConfig) -> list[str]:
     return [
         f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
         for k in sorted(a.keys() | b.keys())
-        if a.get(k) != b.get(k) and k not in TUNABLE
+        if a.get(k) != b.get(k) and k not in type(new).tunable
     ]
 
 
@@ -229,8 +316,12 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def load_run_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Read and validate a YAML or JSON run config; raise ConfigError listing every problem."""
+def load_run_config(
+    path: str | Path,
+    overrides: dict[str, Any] | None = None,
+    model: type[C] = RunConfig,  # type: ignore[assignment]
+) -> C:
+    """Read and validate a YAML or JSON run config as `model`; raise ConfigError listing every problem."""
     path = Path(path)
     source = str(path)
     try:
@@ -244,13 +335,17 @@ def load_run_config(path: str | Path, overrides: dict[str, Any] | None = None) -
     if not isinstance(data, dict):
         raise ConfigError(source, [f"top level must be a mapping, got {type(data).__name__}"])
     data.update(overrides or {})
-    return parse_run_config(data, source)
+    return parse_run_config(data, source, model)
 
 
-def parse_run_config(data: dict[str, Any], source: str = "<config>") -> RunConfig:
-    """Validate a run config mapping; raise ConfigError listing every problem."""
+def parse_run_config(
+    data: dict[str, Any],
+    source: str = "<config>",
+    model: type[C] = RunConfig,  # type: ignore[assignment]
+) -> C:
+    """Validate a run config mapping as `model`; raise ConfigError listing every problem."""
     try:
-        return RunConfig.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as err:
         raise ConfigError(source, validation_problems(err)) from None
 
@@ -264,5 +359,8 @@ def validation_problems(err: ValidationError) -> list[str]:
         got = "" if e["type"] in {"missing", "extra_forbidden"} else f" (got {e.get('input')!r})"
         if e["type"] == "extra_forbidden":
             msg = "unknown setting"
+        elif e["type"] == "union_tag_invalid":  # a plug-in `type` that no registry knows
+            ctx = e.get("ctx", {})
+            msg, got = f"unknown type {ctx.get('tag')!r} (known: {ctx.get('expected_tags')})", ""
         problems.append(f"{loc}: {msg}{got}")
     return problems

@@ -1,24 +1,25 @@
-"""The consumer-side staleness filter: a handler wrapper for roles that consume train groups.
+"""The consumer-side staleness filter, as middleware for roles that consume train groups.
 
 It applies `staleness.decide` against the trainer's current policy version. A stale group is
-dropped (`Drop`, reason recorded, the run's dropped-groups counter raised so the feeder gets the
-credit back) or, with `action: requeue`, its prompt is republished as the next attempt and the
-train message is acked (`Skip`). Fresh groups go to the wrapped handler.
+dropped (`Drop`, reason recorded, the feeder gets the credit back through the dropped-groups counter)
+or, with `action: requeue`, its prompt is republished as the next attempt and the train message is
+acked (`Skip`). Fresh groups pass. Two forms: `admit_fresh`, the admission step of a batch role (the
+actor, `relax_bus.batch_worker`), and `stale_filter`, a wrapper around a per-message handler.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import nats.js.errors
 from nats.js.kv import KeyValue
 
 from relax_bus.bus import Bus
 from relax_bus.control import Drop, Skip
+from relax_bus.delivery import Delivery, Handler, HandlerResult
 from relax_bus.errors import VersionConflict
 from relax_bus.staleness import Decision, Verdict, decide
 from relax_bus.state_keys import GROUPS_DROPPED
-from relax_bus.worker import Delivery, Handler, HandlerResult
 from schemas import RunEvent, TrainGroup
 
 DROPPED_KEY = GROUPS_DROPPED
@@ -77,18 +78,36 @@ async def judge(bus: Bus, group: TrainGroup, version: int) -> Decision:
     return d
 
 
+OnDecision = Callable[[Decision], Awaitable[None]]
+
+
+async def admit_fresh(bus: Bus, group: TrainGroup, version: int, on_requeue: OnDecision, on_drop: OnDecision) -> None:
+    """Return when `group` is fresh enough at trainer version `version`; otherwise raise `Skip` once its
+    prompt is requeued, or `Drop(reason)`, each after the caller's bookkeeping (`on_requeue`, `on_drop`)."""
+    d = await judge(bus, group, version)
+    if d.verdict is Verdict.TRAIN:
+        return
+    if d.verdict is Verdict.REQUEUE:
+        await on_requeue(d)
+        raise Skip()
+    await on_drop(d)
+    raise Drop(d.reason)
+
+
 def stale_filter(bus: Bus, trainer_version: Callable[[], int]) -> Callable[[Handler[TrainGroup]], Handler[TrainGroup]]:
-    """Middleware: wrap a train-group handler with the run's staleness rule."""
+    """Middleware: wrap a train-group handler with the run's staleness rule (drops counted in the shared
+    counter, which returns each dropped group's credit to the feeder)."""
+
+    async def nothing(decision: Decision) -> None:
+        return None
+
+    async def count_drop(decision: Decision) -> None:
+        await add_to_counter(bus.state, DROPPED_KEY, 1)
 
     def wrap(handler: Handler[TrainGroup]) -> Handler[TrainGroup]:
         async def filtered(group: TrainGroup, delivery: Delivery) -> HandlerResult:
-            d = await judge(bus, group, trainer_version())
-            if d.verdict is Verdict.TRAIN:
-                return await handler(group, delivery)
-            if d.verdict is Verdict.REQUEUE:
-                raise Skip()
-            await add_to_counter(bus.state, DROPPED_KEY, 1)  # returns the group's credit to the feeder
-            raise Drop(d.reason)
+            await admit_fresh(bus, group, trainer_version(), nothing, count_drop)
+            return await handler(group, delivery)
 
         return filtered
 

@@ -1,4 +1,4 @@
-"""Staleness, as small pure functions. See ARCHITECTURE.md, "Staleness: one number".
+"""Staleness, as small pure functions. See docs/architecture.md, "Staleness: one number".
 
     v       trainer policy version (optimizer updates published so far)
     v_s     version of the weights that generated a sample group (the oldest, if it spanned an update)

@@ -3,12 +3,19 @@
 Nothing else in the code base builds a subject, stream, bucket or consumer name by hand: it asks
 the `Topology` of its run. `relax_bus.provision` applies it to a server idempotently.
 
-    relax.<run>.prompts   work queue   feeder    -> rollout     (durable consumer "rollout")
-    relax.<run>.rollouts  work queue   rollout   -> reward      (durable consumer "reward")
-    relax.<run>.scored    work queue   reward    -> reference   (durable consumer "reference")
-    relax.<run>.train     limits       reward|reference -> actor (durable consumer "actor"; replayable)
+    relax.<run>.prompts   work queue   hand-off between stages; one durable consumer per stream,
+    relax.<run>.rollouts  work queue   named after the role that reads it (the run's `chain`,
+    relax.<run>.scored    work queue   `relax_bus.chain`, says which role reads and writes which)
+    relax.<run>.train     limits       the trainer's input, kept for replay
     relax.<run>.dlq       limits       any role: messages the bus gave up on, with the reason
     relax.<run>.events    limits       any role: run events and step metrics
+
+    relax_<run>_weights   object store  the trainer: policy versions and checkpoints
+    relax_<run>_media     object store  any role: claim-check payloads (deleted when their hop message is
+                                        settled, aged out otherwise) and media items
+
+Every limit is bounded: messages by `bus.max_msg_bytes` on every stream, each stream and store by bytes
+(the setting that bounds it is named on its spec, for errors that say what to raise or lower).
 """
 
 from __future__ import annotations
@@ -16,10 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from relax_bus.chain import HOPS, SUBJECT_KEYS, Role
 from relax_bus.settings import RunConfig
 
-HOPS = ("prompts", "rollouts", "scored")
-SUBJECT_KEYS = ("prompts", "rollouts", "scored", "train", "dlq", "events")
+__all__ = ["HOPS", "SUBJECT_KEYS", "Role", "Topology", "build_topology", "state_bucket"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,10 @@ class StreamSpec:
     duplicate_window_s: float
     storage: Literal["file", "memory"]
     replicas: int
+    max_msg_size: int
+    """Largest message the stream stores (headers included); a bigger publish is refused."""
+    bytes_setting: str
+    """The dotted setting that sets `max_bytes`."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,9 @@ class ConsumerSpec:
 
     stream_key: str
     durable: str
+    filter_subject: str
+    """The hop's subject. A message another consumer delivered into the stream keeps its own subject (the
+    server does not check delivery subjects against permissions); the filter leaves it undelivered."""
     ack_wait_s: float
     max_deliver: int
     max_ack_pending: int
@@ -62,21 +76,15 @@ class BucketSpec:
 
 @dataclass(frozen=True)
 class ObjectStoreSpec:
-    """One object store."""
+    """One object store (a stream of chunks with discard=new: a full store refuses the next object)."""
 
     key: str
     name: str
-
-
-@dataclass(frozen=True)
-class Role:
-    """Where a role reads from and writes to."""
-
-    name: str
-    input: str | None
-    """Subject key it consumes (None: the role has no input stream)."""
-    output: str | None
-    """Subject key its handler's results go to (None: it publishes nothing downstream)."""
+    max_bytes: int
+    max_age_s: float
+    """0: objects stay until deleted."""
+    bytes_setting: str
+    """The dotted setting that sets `max_bytes`."""
 
 
 @dataclass(frozen=True)
@@ -111,12 +119,26 @@ class Topology:
     def object_store(self, key: str) -> str:
         return next(o.name for o in self.object_stores if o.key == key)
 
+    def reserved_bytes(self) -> dict[str, int]:
+        """What the run's byte bounds reserve on a server holding it, by the setting that sets them."""
+        bounds = [*((s.bytes_setting, s.max_bytes) for s in self.streams)]
+        bounds += [(o.bytes_setting, o.max_bytes) for o in self.object_stores]
+        out: dict[str, int] = {}
+        for setting, size in bounds:
+            out[setting] = out.get(setting, 0) + max(size, 0)  # -1: unbounded, nothing reserved
+        return out
+
     def role(self, name: str) -> Role:
         for r in self.roles:
             if r.name == name:
                 return r
         known = ", ".join(r.name for r in self.roles)
         raise KeyError(f"unknown role {name!r} (roles: {known})")
+
+
+def _bound(max_bytes: int | None) -> int:
+    """A byte bound as JetStream takes it: -1 for none."""
+    return -1 if max_bytes is None else max_bytes
 
 
 def state_bucket(run: str) -> str:
@@ -131,9 +153,9 @@ def build_topology(config: RunConfig) -> Topology:
     def stream(key: str, retention: Literal["workqueue", "limits"], **limits: float | int | str) -> StreamSpec:
         base: dict[str, float | int | str] = dict(
             max_msgs=-1,
-            max_bytes=-1,
             max_age_s=0.0,
             discard="old",
+            bytes_setting=f"bus.{key}_max_bytes",
         )
         base.update(limits)
         return StreamSpec(
@@ -144,28 +166,25 @@ def build_topology(config: RunConfig) -> Topology:
             duplicate_window_s=bus.duplicate_window_s,
             storage=bus.storage,
             replicas=bus.replicas,
+            max_msg_size=bus.msg_bytes_limit,
             **base,  # type: ignore[arg-type]
         )
 
-    hop_limits = dict(max_msgs=bus.hop_max_msgs, max_bytes=bus.hop_max_bytes, discard="new")
+    hop_limits = dict(
+        max_msgs=bus.hop_max_msgs, max_bytes=bus.hop_max_bytes, discard="new", bytes_setting="bus.hop_max_bytes"
+    )
     streams = (
         *(stream(k, "workqueue", **hop_limits) for k in HOPS),  # type: ignore[arg-type]
         stream("train", "limits", max_age_s=bus.train_max_age_s, max_bytes=bus.train_max_bytes),
-        stream("dlq", "limits", max_age_s=bus.dlq_max_age_s),
-        stream("events", "limits", max_msgs=bus.events_max_msgs),
+        stream("dlq", "limits", max_age_s=bus.dlq_max_age_s, max_bytes=bus.dlq_max_bytes),
+        stream("events", "limits", max_msgs=bus.events_max_msgs, max_bytes=bus.events_max_bytes),
     )
-    reward_out = "scored" if config.reference else "train"
-    roles = (
-        Role("feeder", None, "prompts"),
-        Role("rollout", "prompts", "rollouts"),
-        Role("reward", "rollouts", reward_out),
-        *((Role("reference", "scored", "train"),) if config.reference else ()),
-        Role("actor", "train", None),
-    )
+    roles = config.chain
     consumers = tuple(
         ConsumerSpec(
             stream_key=r.input,
             durable=r.name,
+            filter_subject=next(s.subject for s in streams if s.key == r.input),
             ack_wait_s=bus.ack_wait_s,
             max_deliver=bus.max_deliver,
             max_ack_pending=bus.max_ack_pending,
@@ -178,7 +197,7 @@ def build_topology(config: RunConfig) -> Topology:
         BucketSpec("workers", f"relax_{run}_workers", ttl_s=bus.heartbeat_ttl_s, history=1),
     )
     stores = (
-        ObjectStoreSpec("weights", f"relax_{run}_weights"),
-        ObjectStoreSpec("media", f"relax_{run}_media"),
+        ObjectStoreSpec("weights", f"relax_{run}_weights", _bound(bus.weights_max_bytes), 0.0, "bus.weights_max_bytes"),
+        ObjectStoreSpec("media", f"relax_{run}_media", bus.media_max_bytes, bus.media_max_age_s, "bus.media_max_bytes"),
     )
     return Topology(run, streams, consumers, buckets, stores, roles)

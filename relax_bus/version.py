@@ -15,6 +15,7 @@ import nats.errors
 import nats.js.errors
 from nats.js.kv import KeyValue
 
+from relax_bus.cancel import cancel_and_wait
 from relax_bus.errors import NatsUnavailable, VersionConflict
 from relax_bus.log import get_logger
 from relax_bus.outage import OUTAGE_S, TRANSIENT, is_transient, raise_if_denied, through_outage
@@ -182,9 +183,5 @@ class VersionTracker:
         return self.value
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        task, self._task = self._task, None
+        await cancel_and_wait(task)

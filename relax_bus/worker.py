@@ -11,80 +11,34 @@ lets in-flight handlers finish within a grace period (naks the rest) and drains 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import os
 import signal
-import socket
 import time
-import uuid
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Generic, TypeVar, cast
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import asdict
+from typing import Generic, cast
 
 import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
 from relax_bus.bus import Bus
+from relax_bus.cancel import cancel_and_wait
 from relax_bus.control import Drop, Reject, Retry, Skip
+from relax_bus.delivery import Counters, Delivery, Handler, HandlerResult, In, WorkerOptions
 from relax_bus.envelope import open_message
 from relax_bus.errors import BlobCorrupt, BlobNotFound, StreamFull
+from relax_bus.fetch import fetch_at_most
 from relax_bus.heartbeat import HeartbeatWriter, process_heartbeat
 from relax_bus.log import get_logger
-from relax_bus.outage import TRANSIENT_FETCH
-from relax_bus.settle import dead_letter, term
+from relax_bus.settle import ack, dead_letter, term
 from schemas import DeadLetter, Message, RunEvent, SchemaError, WorkerHeartbeat
 
+__all__ = ["Counters", "Delivery", "Handler", "HandlerResult", "Worker", "WorkerOptions"]
+
 log = get_logger(__name__)
-
-In = TypeVar("In", bound=Message)
-HandlerResult = Message | Sequence[Message] | None
-
-
-@dataclass(frozen=True)
-class Delivery:
-    """What a handler may know about the delivery it is handling."""
-
-    subject: str
-    stream_seq: int
-    deliveries: int
-    """1 on the first delivery."""
-    last_attempt: bool
-    """True when a failure now dead-letters the message instead of redelivering it."""
-
-
-Handler = Callable[[In, Delivery], Awaitable[HandlerResult]]
-
-
-@dataclass
-class Counters:
-    """What a worker has done since it started; written into its heartbeat."""
-
-    received: int = 0
-    processed: int = 0
-    published: int = 0
-    retried: int = 0
-    dropped: int = 0
-    skipped: int = 0
-    dead_lettered: int = 0
-    failed: int = 0
-
-
-@dataclass
-class WorkerOptions:
-    """Knobs of one worker process."""
-
-    concurrency: int = 1
-    """Messages handled at once."""
-    fetch_max_bytes: int = 16 << 20
-    """Rough byte budget of one pull: the batch size adapts to the input's average message size."""
-    fetch_timeout_s: float = 1.0
-    """Longest a fetch waits for input (bounds how fast a stop is noticed)."""
-    grace_s: float = 30.0
-    """On stop, how long in-flight handlers may take before they are cancelled and their messages nak'd."""
-    retry_backoff_s: tuple[float, ...] = (0.5, 2.0, 5.0, 10.0)
-    """Redelivery delay after an unexpected handler failure, by delivery count."""
-    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
 
 
 class Worker(Generic[In]):
@@ -109,12 +63,15 @@ class Worker(Generic[In]):
         self.policy_version: int | None = None
         self.stream = bus.topology.stream(self.role.input)
         self.consumer = bus.topology.consumer(self.role.input)
+        # A settled work-queue message is gone from its stream, so its claim object can go too (`relax_bus.settle`);
+        # the train stream keeps its messages (and so their objects) for replay.
+        self.releases_claims = self.stream.retention == "workqueue"
         self.started_at = time.time()
         self._stop = asyncio.Event()
         # Message size estimate that sizes each pull: rises at once to any bigger message, decays slowly,
         # and starts high so the first pull of an unknown stream stays small in bytes.
         self._avg_size = 256 * 1024.0
-        self._working: dict[int, tuple[Msg, float]] = {}  # id(message) -> (message, when its handler started)
+        self._working: dict[int, Msg] = {}  # id(message) -> message, from delivery until it is settled
         self.heartbeat = HeartbeatWriter(
             bus.workers,
             f"{self.role.name}.{self.options.worker_id}",
@@ -135,22 +92,50 @@ class Worker(Generic[In]):
             self.bus.run, self.role.name, self.worker_id, self.started_at, self.policy_version, asdict(self.counters)
         )
 
-    async def run(self, *, until_empty: bool = False, handle_signals: bool = False) -> Counters:
-        """Consume until stopped (or, with `until_empty`, until the input has nothing pending)."""
+    @contextlib.asynccontextmanager
+    async def _running(self, handle_signals: bool = False) -> AsyncIterator[JetStreamContext.PullSubscription]:
+        """The loop's surroundings, whatever its shape: the subscription, the heartbeat, the keep-alive of
+        unsettled messages, the reaper of messages nobody settled (roles granted it), signals, logs."""
         loop = asyncio.get_running_loop()
         if handle_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop)
         sub = await self.bus.js.pull_subscribe_bind(self.consumer.durable, self.stream.name)
-        await self.heartbeat.beat()
-        self.heartbeat.start()
+        if not self.heartbeat.running:
+            await self.heartbeat.beat()
+            self.heartbeat.start()
         keepalive = asyncio.create_task(self._keep_alive(), name="keepalive")
-        reaper = await self.bus.nc.subscribe(
-            f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.stream.name}.{self.consumer.durable}",
-            queue=f"relax-reaper-{self.consumer.durable}",
-            cb=self._reap,
-        )
+        reaper = None
+        if self.role.grants.reaps:
+            reaper = await self.bus.nc.subscribe(
+                f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.stream.name}.{self.consumer.durable}",
+                queue=f"relax-reaper-{self.consumer.durable}",
+                cb=self._reap,
+            )
         log.info("worker_started", role=self.role.name, worker=self.worker_id, stream=self.stream.name)
+        try:
+            yield sub
+        finally:
+            keepalive.cancel()
+            if reaper is not None:
+                await quietly(reaper.unsubscribe())
+            try:
+                await sub.unsubscribe()
+            except nats.errors.Error:
+                pass  # tolerated: the subscription died with the connection
+            await self.heartbeat.stop(remove=True)
+            if handle_signals:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.remove_signal_handler(sig)
+            log.info("worker_stopped", role=self.role.name, worker=self.worker_id, **asdict(self.counters))
+
+    async def run(self, *, until_empty: bool = False, handle_signals: bool = False) -> Counters:
+        """Consume until stopped (or, with `until_empty`, until the input has nothing pending)."""
+        async with self._running(handle_signals) as sub:
+            await self._consume(sub, until_empty)
+        return self.counters
+
+    async def _consume(self, sub: JetStreamContext.PullSubscription, until_empty: bool) -> None:
         inflight: set[asyncio.Task[None]] = set()
         # Refill in chunks: pulling one message per finished handler would cost a round trip each.
         refill = max(1, self.options.concurrency // 8)
@@ -162,18 +147,11 @@ class Worker(Generic[In]):
                     await asyncio.wait({*inflight, stopping}, return_when=asyncio.FIRST_COMPLETED)
                     stopping.cancel()
                     continue
-                try:
-                    batch = max(1, min(free, int(self.options.fetch_max_bytes // self._avg_size)))
-                    msgs = await sub.fetch(batch, timeout=self.options.fetch_timeout_s)
-                except (nats.errors.TimeoutError, TimeoutError):
-                    # nats-py raises either type when a fetch finds nothing (it never returns []).
+                batch = max(1, min(free, int(self.options.fetch_max_bytes // self._avg_size)))
+                msgs = await fetch_at_most(sub, batch, self.options.fetch_timeout_s)
+                if not msgs:
                     if until_empty and not inflight and await self._input_drained():
                         break
-                    continue
-                except TRANSIENT_FETCH as err:
-                    # Tolerated: NATS is away or electing a leader (503); the next fetch works again.
-                    log.info("fetch_interrupted", error=type(err).__name__)
-                    await asyncio.sleep(0.5)
                     continue
                 for msg in msgs:
                     size = len(msg.data) + 512
@@ -183,60 +161,66 @@ class Worker(Generic[In]):
                     task.add_done_callback(inflight.discard)
         finally:
             await self._wind_down(inflight)
-            keepalive.cancel()
-            await _quietly(reaper.unsubscribe())
-            try:
-                await sub.unsubscribe()
-            except nats.errors.Error:
-                pass  # tolerated: the subscription died with the connection
-            await self.heartbeat.stop(remove=True)
-            if handle_signals:
-                for sig in (signal.SIGTERM, signal.SIGINT):
-                    loop.remove_signal_handler(sig)
-        log.info("worker_stopped", role=self.role.name, worker=self.worker_id, **asdict(self.counters))
-        return self.counters
 
     async def _wind_down(self, inflight: set[asyncio.Task[None]]) -> None:
         if not inflight:
             return
         log.info("worker_finishing", in_flight=len(inflight), grace_s=self.options.grace_s)
         _, pending = await asyncio.wait(set(inflight), timeout=self.options.grace_s)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.gather(*(cancel_and_wait(task) for task in pending))
 
     async def _input_drained(self) -> bool:
         info = await self.bus.js.consumer_info(self.stream.name, self.consumer.durable)
         return not info.num_pending and not info.num_ack_pending
 
-    async def _handle(self, msg: Msg) -> None:
+    def _delivery(self, msg: Msg) -> Delivery:
         md = msg.metadata
-        delivery = Delivery(
+        return Delivery(
             subject=msg.subject,
             stream_seq=md.sequence.stream,
             deliveries=md.num_delivered,
             last_attempt=md.num_delivered >= self.consumer.max_deliver,
         )
+
+    async def _handle(self, msg: Msg) -> None:
+        delivery = self._delivery(msg)
         self.counters.received += 1
+        # Kept alive from delivery until settled: a claim check's blob may take longer than ack_wait to fetch.
+        self._working[id(msg)] = msg
+        try:
+            await self._decode_and_handle(msg, delivery)
+        except asyncio.CancelledError:  # shutdown past its grace: hand the message back at once
+            await quietly(msg.nak())
+            raise
+        finally:
+            self._working.pop(id(msg), None)
+
+    def _foreign(self, msg: Msg) -> str | None:
+        """Why a message is not this hop's to handle: it was stored under another subject (delivered into the
+        stream by some other consumer), which the durable's filter should already have left out."""
+        if msg.subject == self.stream.subject:
+            return None
+        return f"message on subject {msg.subject!r} in {self.stream.name}, not the hop's {self.stream.subject!r}"
+
+    async def _decode_and_handle(self, msg: Msg, delivery: Delivery) -> None:
+        if (foreign := self._foreign(msg)) is not None:
+            await self._dead_letter(msg, delivery, foreign)
+            return
         try:
             message = cast(In, await open_message(msg.data, msg.headers, self.bus.media, self.input_type))
         except (SchemaError, BlobNotFound, BlobCorrupt) as err:
             await self._dead_letter(msg, delivery, f"undecodable {self.stream.key} message: {err}")
             return
-        self._working[id(msg)] = (msg, time.monotonic())
         try:
             outputs = _as_list(await self.handler(message, delivery))
             await self._publish_outputs(outputs)
         except asyncio.CancelledError:
-            await _quietly(msg.nak())
-            raise
+            raise  # settled by _handle
         except BaseException as err:  # every outcome of the handler is settled in one place
             await self._settle(msg, delivery, message, err)
         else:
-            await msg.ack()
+            await ack(self.bus, msg, release=self.releases_claims)
             self.counters.processed += 1
-        finally:
-            self._working.pop(id(msg), None)
 
     async def _publish_outputs(self, outputs: list[Message]) -> None:
         if not outputs:
@@ -252,6 +236,7 @@ class Worker(Generic[In]):
                 except StreamFull as err:
                     # Back-pressure: the output hop is full. The input stays in progress (kept alive) and the
                     # same publish is tried again; a nak would count a delivery and end in the dead letters.
+                    self.counters.output_full += 1
                     if self._stop.is_set():
                         raise Retry(1.0, f"stopped while the output was full: {err}") from None
                     log.info("output_full", role=self.role.name, subject=subject)
@@ -261,10 +246,10 @@ class Worker(Generic[In]):
         """Map a handler's exception to nak / term / ack / dead letter."""
         if isinstance(err, Skip):
             self.counters.skipped += 1
-            await msg.ack()
+            await ack(self.bus, msg, release=self.releases_claims)
         elif isinstance(err, Drop):
             self.counters.dropped += 1
-            await term(self.bus, msg, err.reason)
+            await term(self.bus, msg, err.reason, release=self.releases_claims)
             await self._event(
                 "message_dropped",
                 "info",
@@ -305,7 +290,7 @@ class Worker(Generic[In]):
                 backoff = self.options.retry_backoff_s
                 await msg.nak(delay=backoff[min(delivery.deliveries, len(backoff)) - 1])
         else:
-            await _quietly(msg.nak())
+            await quietly(msg.nak())
             raise err
 
     async def _dead_letter(self, msg: Msg, delivery: Delivery, reason: str) -> None:
@@ -348,14 +333,16 @@ class Worker(Generic[In]):
         log.warning("message_dead_lettered", role=self.role.name, seq=seq, reason=reason)
 
     async def _keep_alive(self) -> None:
-        """Every ack_wait/3, tell the server that messages whose handlers run that long are still in progress."""
-        interval = max(0.2, self.consumer.ack_wait_s / 3)
+        """Every ack_wait/4, tell the server that every message not yet settled is still in progress.
+
+        Every held message is touched on every tick, so one is first touched at most ack_wait/4 after its
+        delivery and the loop may stall for up to 3/4 of ack_wait (a loaded machine) without a redelivery.
+        """
+        interval = max(0.1, self.consumer.ack_wait_s / 4)
         while True:
             await asyncio.sleep(interval)
-            cutoff = time.monotonic() - interval
-            for msg, started in list(self._working.values()):
-                if started <= cutoff:
-                    await _quietly(msg.in_progress())
+            for msg in list(self._working.values()):
+                await quietly(msg.in_progress())
 
     async def _event(self, event: str, level: str, **fields: str | int | float | None) -> None:
         try:
@@ -385,7 +372,8 @@ def _group_id(message: Message) -> str | None:
     return None
 
 
-async def _quietly(aw: Awaitable[object]) -> None:
+async def quietly(aw: Awaitable[object]) -> None:
+    """Await a settle or unsubscribe whose failure the server makes up for (it redelivers after ack_wait)."""
     try:
         await aw
     except (nats.errors.Error, OSError):

@@ -12,6 +12,7 @@ from schemas.errors import (
 from schemas.messages import (
     MESSAGE_TYPES,
     SCHEMA_VERSION,
+    ChatTurn,
     DeadLetter,
     Message,
     Metric,
@@ -33,6 +34,7 @@ __all__ = [
     "MESSAGE_TYPES",
     "SCHEMA_VERSION",
     "AudioPart",
+    "ChatTurn",
     "DeadLetter",
     "ImagePart",
     "InvalidMessage",

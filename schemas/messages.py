@@ -13,14 +13,14 @@ a major bump.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas.parts import Part
 from schemas.tensor import WireTensor
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"  # 1.1: PromptGroup.history
 SCHEMA_MAJOR = 1
 
 _ID = r"^[A-Za-z0-9_.:-]{1,200}$"
@@ -37,6 +37,15 @@ class Message(BaseModel):
     """`MAJOR.MINOR` of the schema the producer wrote."""
 
 
+class ChatTurn(BaseModel):
+    """One earlier turn of a conversation: who spoke, and the text."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
 class PromptGroup(Message):
     """A prompt to sample `n_samples` responses for: the unit of work of one GRPO group."""
 
@@ -46,7 +55,9 @@ class PromptGroup(Message):
     group_id: str = Field(pattern=_ID)
     """Stable id of the group across attempts (dataset position based)."""
     parts: tuple[Part, ...] = Field(min_length=1)
-    """The prompt: text and media parts in order."""
+    """The prompt: text and media parts in order (the user's latest turn in a conversation)."""
+    history: tuple[ChatTurn, ...] = ()
+    """Earlier turns of the conversation, rendered before `parts` by the chat template; empty for one turn."""
     answer: str | None = None
     """Reference answer for verifiable rewards, if the task has one."""
     n_samples: int = Field(ge=1, le=4096)
@@ -159,16 +170,12 @@ class TrainGroup(Message):
     scored: ScoredGroup
     ref_logprobs: tuple[WireTensor, ...] | None = None
     """Reference-model log-probs per sample (`[tokens]` each), when a KL term is on."""
-    advantages: tuple[float, ...] | None = None
-    """Per-sample advantages, when computed upstream."""
 
     @model_validator(mode="after")
     def _one_per_sample(self) -> TrainGroup:
         n = len(self.scored.rollout.samples)
         if self.ref_logprobs is not None and len(self.ref_logprobs) != n:
             raise ValueError(f"{len(self.ref_logprobs)} reference log-prob tensors for {n} samples")
-        if self.advantages is not None and len(self.advantages) != n:
-            raise ValueError(f"{len(self.advantages)} advantages for {n} samples")
         return self
 
     @property
@@ -259,23 +266,9 @@ class DeadLetter(Message):
     """Durable consumer that gave up on it."""
     headers: dict[str, str] = Field(default_factory=dict)
     payload: bytes = b""
-    """The original payload (possibly truncated; see `truncated`)."""
-    truncated: bool = False
+    """The original payload."""
     at: float = Field(default_factory=time.time)
 
-
-AnyMessage = Annotated[
-    PromptGroup
-    | RolloutGroup
-    | ScoredGroup
-    | TrainGroup
-    | WeightsAnnouncement
-    | WorkerHeartbeat
-    | RunEvent
-    | Metric
-    | DeadLetter,
-    Field(discriminator="kind"),
-]
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     m.model_fields["kind"].default: m

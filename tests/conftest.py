@@ -6,31 +6,36 @@ environment says the server is required (CI=true or RELAX_REQUIRE_NATS=1, as `.c
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
+import nats.errors
 import pytest
 
 from relax_bus import log
 from relax_bus.bus import Bus
 from relax_bus.connection import connect
 from relax_bus.errors import NatsServerNotFound
-from relax_bus.provision import provision
+from relax_bus.provision import delete_run, provision
 from relax_bus.server import EmbeddedServer
-from relax_bus.settings import ConnectionSettings, RunConfig, parse_run_config
+from relax_bus.settings import ConnectionSettings
 from tests.nats_cluster import NatsCluster
+from workers.config import PipelineConfig, parse_config
 
 log.configure("info", json=False)
 
 REQUIRE_NATS = os.environ.get("CI", "").lower() == "true" or os.environ.get("RELAX_REQUIRE_NATS") == "1"
+TIERS = ("unit", "bus", "cli", "workers", "e2e", "chaos", "compose", "containers")  # a test without one is `unit`
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if not any(item.get_closest_marker(m) for m in ("unit", "bus", "cli", "workers", "e2e", "chaos", "compose")):
+        if not any(item.get_closest_marker(m) for m in TIERS):
             item.add_marker(pytest.mark.unit)
 
 
@@ -85,7 +90,7 @@ def settings(nats_server: EmbeddedServer) -> ConnectionSettings:
     return ConnectionSettings(nats_url=[nats_server.url])
 
 
-def run_config(**overrides: Any) -> RunConfig:
+def run_config(**overrides: Any) -> PipelineConfig:
     """A small run config with a unique run id; nested sections merge over the defaults."""
     data: dict[str, Any] = {
         "run": f"t{uuid.uuid4().hex[:10]}",
@@ -98,7 +103,7 @@ def run_config(**overrides: Any) -> RunConfig:
             data[key] = {**data[key], **value}
         else:
             data[key] = value
-    return parse_run_config(data)
+    return parse_config(data)
 
 
 MakeBus = Callable[..., Awaitable[Bus]]
@@ -106,19 +111,25 @@ MakeBus = Callable[..., Awaitable[Bus]]
 
 @pytest.fixture
 async def make_bus(settings: ConnectionSettings) -> AsyncIterator[MakeBus]:
-    """Factory: provision a run (config overrides as kwargs) and return a Bus attached to it."""
-    opened: list[Bus] = []
+    """Factory: provision a run (config overrides as kwargs) and return a Bus attached to it.
 
-    async def make(config: RunConfig | None = None, **overrides: Any) -> Bus:
+    The runs are deleted afterwards: a server shared by several tests (the containers tier's) would
+    otherwise keep every test's stream reservations and run out of JetStream storage."""
+    opened: list[tuple[Bus, PipelineConfig]] = []
+
+    async def make(config: PipelineConfig | None = None, **overrides: Any) -> Bus:
         config = config or run_config(**overrides)
         nc = await connect(settings, name="test")
         await provision(nc.jetstream(), config)
-        bus = await Bus.attach(nc, config.run)
-        opened.append(bus)
+        bus = await Bus.attach(nc, config.run, PipelineConfig)
+        opened.append((bus, config))
         return bus
 
     yield make
-    for bus in opened:
+    for bus, config in opened:
+        if bus.nc.is_connected:
+            with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+                await delete_run(bus.js, config)
         await bus.nc.close()
 
 

@@ -1,4 +1,9 @@
-"""A three-server JetStream cluster as local processes on loopback ports (routes between them)."""
+"""A three-server JetStream cluster as local processes on loopback ports (routes between them).
+
+With `route_auth` (user, password) the route listeners require those credentials and each server
+dials the others with them: the configs come from `relax_bus.server_conf.cluster_conf`, as
+`relax auth --cluster-routes` writes them.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import time
 from pathlib import Path
 
 from relax_bus.server import EmbeddedServer, free_port
+from relax_bus.server_conf import Cluster, cluster_conf
 
 CLUSTER_NAME = "relax"
 
@@ -13,19 +19,24 @@ CLUSTER_NAME = "relax"
 class NatsCluster:
     """`size` nats-servers that form one JetStream cluster; each is an `EmbeddedServer` (stop/kill by PID)."""
 
-    def __init__(self, root: Path, size: int = 3) -> None:
+    def __init__(self, root: Path, size: int = 3, route_auth: tuple[str, str] | None = None) -> None:
         self.root = root
         self.routes = [free_port() for _ in range(size)]
         self.servers: dict[str, EmbeddedServer] = {}
+        root.mkdir(parents=True, exist_ok=True)
         for i, route in enumerate(self.routes):
             name = f"n{i + 1}"
-            others = ", ".join(f"nats-route://127.0.0.1:{p}" for p in self.routes if p != route)
             conf = root / f"{name}.conf"
-            root.mkdir(parents=True, exist_ok=True)
-            conf.write_text(
-                f"server_name: {name}\n"
-                f"cluster {{\n  name: {CLUSTER_NAME}\n  listen: 127.0.0.1:{route}\n  routes: [{others}]\n}}\n"
-            )
+            if route_auth is not None:
+                peers = tuple(f"127.0.0.1:{p}" for p in self.routes if p != route)
+                cluster = Cluster(peers, CLUSTER_NAME, f"127.0.0.1:{route}")
+                conf.write_text(cluster_conf(cluster, *route_auth, server_name=name))
+            else:
+                others = ", ".join(f"nats-route://127.0.0.1:{p}" for p in self.routes if p != route)
+                conf.write_text(
+                    f"server_name: {name}\n"
+                    f"cluster {{\n  name: {CLUSTER_NAME}\n  listen: 127.0.0.1:{route}\n  routes: [{others}]\n}}\n"
+                )
             self.servers[name] = EmbeddedServer(store_dir=root / name, config_file=conf)
 
     @property

@@ -13,3 +13,12 @@ class RoleNotInRun(RelaxBusError):
 
 class ReplayFailed(RelaxBusError):
     """Raised by `relax replay` when a step cannot be recomputed (no record, no checkpoint, data expired)."""
+
+
+class ExportFailed(RelaxBusError):
+    """Raised by `relax export` when a run's checkpoint cannot be written out (none kept, wrong model, busy target)."""
+
+
+class CheckpointRefused(RelaxBusError):
+    """Raised when a checkpoint holds anything but tensors, containers and numbers (a planted pickle, say):
+    it is not loaded, and nothing in it runs."""

@@ -8,6 +8,7 @@ the violation it provoked.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from relax_bus.inspect import gather
 from relax_bus.outage import through_outage
 from relax_bus.provision import provision
 from relax_bus.server import EmbeddedServer
-from relax_bus.settings import ConnectionSettings, RunConfig
+from relax_bus.settings import ConnectionSettings
 from relax_bus.state_keys import FEEDER_CURSOR, POLICY_VERSION, TRAINER_DONE, TRAINER_STEP
 from relax_bus.topology import build_topology
 from relax_bus.version import VersionTracker
@@ -40,6 +41,8 @@ from schemas import PromptGroup, RolloutGroup
 from tests import factories as f
 from tests.bus.test_publish import read_all
 from tests.conftest import REQUIRE_NATS, run_config
+from tests.waiting import until
+from workers.config import PipelineConfig
 
 pytestmark = pytest.mark.bus
 
@@ -52,7 +55,7 @@ class Secured:
 
     server: EmbeddedServer
     bundle: Bundle
-    config: RunConfig
+    config: PipelineConfig
     opened: list[NATS] = field(default_factory=list)
     errors: dict[str, list[str]] = field(default_factory=dict)
 
@@ -80,7 +83,7 @@ class Secured:
         return nc
 
     async def bus(self, role: str, name: str | None = None) -> Bus:
-        return await Bus.attach(await self.connect(role, name), self.config.run)
+        return await Bus.attach(await self.connect(role, name), self.config.run, PipelineConfig)
 
     def violations(self, name: str) -> list[str]:
         return [e.lower() for e in self.errors.get(name, []) if VIOLATION in e.lower()]
@@ -102,13 +105,9 @@ def server_from(bundle: Bundle, store_dir: Path) -> EmbeddedServer:
     return server.start()
 
 
-@pytest.fixture
-async def secured(tmp_path: Path) -> AsyncIterator[Secured]:
-    config = run_config(
-        task={"type": "addition", "options": {"seed": 5}},
-        trainer={"steps": 2, "checkpoint_every": 1},
-        staleness={"max_staleness": 1},
-    )
+@contextlib.asynccontextmanager
+async def secured_server(config: PipelineConfig, tmp_path: Path) -> AsyncIterator[Secured]:
+    """A server with the per-role users of `config`'s run; every connection opened through it is closed after."""
     # No store dir in the config: EmbeddedServer passes its own (-sd), and a free port (-p).
     bundle = write_bundle(config, tmp_path / "auth", store_dir=None)
     server = server_from(bundle, tmp_path / "nats")
@@ -121,12 +120,23 @@ async def secured(tmp_path: Path) -> AsyncIterator[Secured]:
         server.cleanup()
 
 
+@pytest.fixture
+async def secured(tmp_path: Path) -> AsyncIterator[Secured]:
+    config = run_config(
+        task={"type": "addition", "options": {"seed": 5}},
+        trainer={"steps": 2, "checkpoint_every": 1},
+        staleness={"max_staleness": 1},
+    )
+    async with secured_server(config, tmp_path) as s:
+        yield s
+
+
 async def provisioned(s: Secured) -> Bus:
     """Provision the run as the admin, through `connect` and the admin's credentials file."""
     nc = await connect(s.settings("admin"), name="admin")
     s.opened.append(nc)
     await provision(nc.jetstream(timeout=10.0), s.config)
-    return await Bus.attach(nc, s.config.run)
+    return await Bus.attach(nc, s.config.run, PipelineConfig)
 
 
 def test_permissions_follow_the_topology():
@@ -149,11 +159,11 @@ def test_permissions_follow_the_topology():
 def test_bundle_files_are_private_and_not_overwritten(tmp_path):
     config = run_config()
     bundle = write_bundle(config, tmp_path / "auth")
-    assert set(bundle.env_files) == {"feeder", "rollout", "reward", "actor", "admin", "observer"}
+    assert set(bundle.env_files) == {"feeder", "rollout", "reward", "actor", "metrics", "admin", "observer"}
     for path in (bundle.server_conf, bundle.auth_conf, *bundle.env_files.values()):
         assert path.stat().st_mode & 0o777 == 0o600, path
     cred = bundle.credentials["rollout"]
-    assert cred.password not in bundle.auth_conf.read_text() or not bundle.hashed
+    assert cred.password not in bundle.auth_conf.read_text(), "auth.conf holds hashes, never a password"
     env = ConnectionSettings(_env_file=bundle.env_files["rollout"])  # type: ignore[call-arg]
     assert (env.user, env.password, env.inbox_prefix) == (cred.user, cred.password, cred.inbox_prefix)
     with pytest.raises(CredentialsExist, match="--force"):
@@ -169,7 +179,7 @@ async def test_admin_provisions_and_observer_only_looks(secured):
     assert not report.created and not report.updated  # the admin sees everything it made
     observer = await s.connect("observer")
     info = await gather(observer.jetstream(timeout=10.0), s.config.run)
-    assert info["run"] == s.config.run and len(info["consumers"]) == 3
+    assert info["run"] == s.config.run and len(info["consumers"]) == 4
     assert s.violations("observer") == []
     with pytest.raises(nats.errors.TimeoutError):
         await observer.jetstream(timeout=1.0).publish(admin.topology.subject("prompts"), b"x")
@@ -251,8 +261,9 @@ async def test_rollout_cannot_write_what_is_not_its_own(secured, monkeypatch):
     other_inbox = f"_INBOX.{run}-actor.>"
     await nc.subscribe(other_inbox)
     await nc.flush()
-    await asyncio.sleep(0.2)
-    assert s.violations("rollout")[-1] == violation("subscription", other_inbox)
+    # The refusal arrives asynchronously, through the error callback.
+    seen = await until(lambda: s.violations("rollout"), lambda v: violation("subscription", other_inbox) in v, 30)
+    assert seen[-1] == violation("subscription", other_inbox)
     # Nothing moved: the stream is there, the version is what the actor wrote.
     assert (await admin.js.stream_info(prompts)).config.name == prompts
     assert await admin.version.get() == (0, revision)
@@ -260,6 +271,8 @@ async def test_rollout_cannot_write_what_is_not_its_own(secured, monkeypatch):
 
 class FakeTrainer:
     """The actor's trainer interface without a model: a counter for weights, JSON for checkpoints."""
+
+    vocab_size = 1 << 20  # the fake rollouts' token ids are all inside it
 
     def __init__(self) -> None:
         self.steps = 0
@@ -293,9 +306,9 @@ async def test_a_tiny_run_under_per_role_credentials(secured):
     """Feeder, rollout (fake generation, real weight and version reads), reward and the actor's loop
     (fake trainer), each on its own connection as its own user; then a restarted actor rewinds."""
     pytest.importorskip("torch")
-    from workers.actor import Actor
-    from workers.feeder import feed
-    from workers.reward import reward_worker
+    from workers.roles.actor import Actor
+    from workers.roles.feeder import feed
+    from workers.roles.reward import reward_worker
     from workers.weights import ObjectStoreTransport
 
     s = secured
@@ -346,88 +359,6 @@ async def test_a_tiny_run_under_per_role_credentials(secured):
         assert errors == [], (name, errors)
 
 
-def self_signed(tmp_path: Path) -> tuple[Path, Path, Path]:
-    """A CA and a server certificate for 127.0.0.1 signed by it: (ca, cert, key) PEM files."""
-    pytest.importorskip("cryptography")
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.UTC)
-
-    def build(subject: str, issuer: str, key: Any, signer: Any, ca: bool) -> x509.Certificate:
-        b = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(signer.public_key()), critical=False)
-        )
-        if ca:
-            usage = dict.fromkeys(("content_commitment", "key_encipherment", "data_encipherment"), False)
-            b = b.add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    key_cert_sign=True,
-                    crl_sign=True,
-                    key_agreement=False,
-                    encipher_only=False,
-                    decipher_only=False,
-                    **usage,
-                ),
-                critical=True,
-            )
-        else:
-            b = b.add_extension(
-                x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False
-            ).add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        return b.sign(signer, hashes.SHA256())
-
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca = build("relax test CA", "relax test CA", ca_key, ca_key, ca=True)
-    cert = build("127.0.0.1", "relax test CA", key, ca_key, ca=False)
-    paths = tmp_path / "ca.pem", tmp_path / "server.pem", tmp_path / "server-key.pem"
-    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    return paths
-
-
-async def test_tls_with_the_ca_connects_and_without_it_is_refused(tmp_path):
-    ca, cert, key = self_signed(tmp_path)
-    config = run_config()
-    bundle = write_bundle(config, tmp_path / "auth", store_dir=None, tls=(cert, key), tls_ca_file=ca)
-    assert bundle.nats_url.startswith("tls://")
-    server = server_from(bundle, tmp_path / "nats")
-    try:
-        settings = ConnectionSettings(  # type: ignore[call-arg]
-            _env_file=bundle.env_files["admin"], nats_url=[f"tls://127.0.0.1:{server.port}"]
-        )
-        assert settings.tls_ca_file == ca.resolve()
-        nc = await connect(settings, name="tls-admin")
-        try:
-            report = await provision(nc.jetstream(timeout=10.0), config)
-            assert len(report.created) == 13
-        finally:
-            await nc.close()
-        without_ca = settings.model_copy(update={"tls_ca_file": None, "connect_timeout_s": 1.0})
-        with pytest.raises(NatsUnreachable, match="certificate verify failed"):
-            await connect(without_ca, name="tls-no-ca")
-    finally:
-        server.cleanup()
-
-
 async def test_a_refused_write_fails_at_once_with_the_reason(secured):
     """A refused permission looks like a timeout to nats-py: the bus must not mistake it for an outage."""
     s = secured
@@ -435,7 +366,7 @@ async def test_a_refused_write_fails_at_once_with_the_reason(secured):
     revision = await (await s.bus("actor")).version.advance(0, 0)
     nc = await connect(s.settings("rollout"), name="rollout")
     s.opened.append(nc)
-    rollout = await Bus.attach(nc, s.config.run)
+    rollout = await Bus.attach(nc, s.config.run, PipelineConfig)
     with pytest.raises(PermissionDenied, match="permissions violation"):
         await rollout.version.advance(1, revision)
     with pytest.raises(PermissionDenied, match="permissions violation"):

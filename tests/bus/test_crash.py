@@ -1,5 +1,6 @@
 """Worker processes that die or are told to stop, with messages in flight."""
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -92,7 +93,8 @@ async def test_sigterm_finishes_in_flight_work_and_exits_zero(make_bus, nats_ser
 
 
 async def test_sigterm_past_grace_hands_work_back_at_once(make_bus, nats_server, tmp_path):
-    bus = await make_bus(bus={"ack_wait_s": 60.0})
+    # ack_wait far beyond the test's timeout: only a hand-back (nak) lets the next worker see them in time.
+    bus = await make_bus(bus={"ack_wait_s": 900.0, "duplicate_window_s": 1800.0})
     await publish_prompts(bus, 2)
     log = tmp_path / "c.log"
     proc = start_worker(nats_server, bus.run, log, sleep=60, concurrency=2, grace=0.5)
@@ -102,7 +104,6 @@ async def test_sigterm_past_grace_hands_work_back_at_once(make_bus, nats_server,
         assert proc.wait(timeout=20) == 0
     finally:
         stop(proc)
-    # nak'd, not left to time out: a second worker gets them long before ack_wait (60 s).
-    started = time.monotonic()
-    counters = await rollout_worker(bus, echo, concurrency=2).run(until_empty=True)
-    assert counters.processed == 2 and time.monotonic() - started < 30
+    # nak'd, not left to time out: the next worker gets both long before ack_wait (900 s) could pass.
+    counters = await asyncio.wait_for(rollout_worker(bus, echo, concurrency=2).run(until_empty=True), 60)
+    assert counters.processed == 2

@@ -1,7 +1,6 @@
 """The feeder against a real server: the credit rule, late drops replaced, done only when the trainer is."""
 
 import asyncio
-import time
 
 import pytest
 
@@ -9,16 +8,23 @@ from relax_bus.stale_filter import read_counter
 from relax_bus.state_keys import FEEDER_CURSOR, GROUPS_DROPPED, TRAINER_DONE
 from schemas import DeadLetter, PromptGroup, encode
 from tests.bus.test_publish import read_all
-from workers.feeder import feed
+from tests.waiting import holds, until
+from workers.roles.feeder import feed
 
 pytestmark = pytest.mark.bus
 
 
-async def wait_cursor(bus, value: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (await read_counter(bus.state, FEEDER_CURSOR))[0] != value:
-        assert time.monotonic() < deadline, f"cursor {(await read_counter(bus.state, FEEDER_CURSOR))[0]} != {value}"
-        await asyncio.sleep(0.05)
+async def cursor(bus) -> int:
+    return (await read_counter(bus.state, FEEDER_CURSOR))[0]
+
+
+async def wait_cursor(bus, value: int, timeout_s: float = 60.0) -> None:
+    await until(lambda: cursor(bus), lambda c: c == value, timeout_s, f"feeder cursor {value}")
+
+
+async def cursor_stays(bus, value: int, for_s: float = 1.0) -> None:
+    """The feeder releases nothing more for a while (several of its polls): the credit rule holds it."""
+    await holds(lambda: cursor(bus), lambda c: c == value, for_s, f"feeder cursor held at {value}")
 
 
 async def test_feeder_follows_the_credit_rule_and_replaces_late_drops(make_bus):
@@ -32,14 +38,12 @@ async def test_feeder_follows_the_credit_rule_and_replaces_late_drops(make_bus):
     task = asyncio.create_task(feed(bus, stop))
     try:
         await wait_cursor(bus, 2)  # on-policy: one step's groups at version 0
-        await asyncio.sleep(0.6)
-        assert (await read_counter(bus.state, FEEDER_CURSOR))[0] == 2
+        await cursor_stays(bus, 2)
         revision = await bus.version.advance(1, 0)
         await wait_cursor(bus, 4)
         revision = await bus.version.advance(2, revision)
         await wait_cursor(bus, 6)  # every step covered; the feeder stays for late drops
-        await asyncio.sleep(0.6)
-        assert not task.done()
+        await holds(task.done, lambda done: not done, 1.0, "feeder running")
         await bus.state.put(GROUPS_DROPPED, b"1")
         await wait_cursor(bus, 7)
         await bus.state.put(TRAINER_DONE, b"3")
@@ -93,8 +97,7 @@ async def test_a_dead_lettered_group_is_replaced_and_garbage_earns_nothing(make_
         await bus.publish("dlq", letter)
         await bus.publish("dlq", letter)  # the same group twice is one credit
         await wait_cursor(bus, 3)
-        await asyncio.sleep(0.6)
-        assert (await read_counter(bus.state, FEEDER_CURSOR))[0] == 3
+        await cursor_stays(bus, 3)
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)

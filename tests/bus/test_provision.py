@@ -2,8 +2,9 @@ import pytest
 
 from relax_bus.connection import connect
 from relax_bus.errors import RunNotFound, TopologyConflict
-from relax_bus.provision import provision, read_config
+from relax_bus.provision import delete_run, provision, read_config
 from tests.conftest import run_config
+from workers.config import PipelineConfig
 
 pytestmark = pytest.mark.bus
 
@@ -14,11 +15,11 @@ async def test_applying_twice_is_idempotent(settings):
     js = nc.jetstream()
     try:
         first = await provision(js, config)
-        assert len(first.created) == 6 + 3 + 2 + 2 and not first.updated
+        assert len(first.created) == 6 + 4 + 2 + 2 and not first.updated  # streams, durables, buckets, stores
         second = await provision(js, config)
         assert second.created == [] and second.updated == []
         assert sorted(second.unchanged) == sorted(first.created)
-        assert await read_config(js, config.run) == config
+        assert await read_config(js, config.run, model=PipelineConfig) == config
         names = {s.config.name for s in await js.streams_info()}
         assert sum(n.startswith(f"RELAX_{config.run}_") for n in names) == 6
     finally:
@@ -38,7 +39,7 @@ async def test_tunable_change_updates_in_place(settings):
         ci = await js.consumer_info(f"RELAX_{config.run}_PROMPTS", "rollout")
         assert ci.config.max_ack_pending == 7
         assert (await js.stream_info(f"RELAX_{config.run}_ROLLOUTS")).config.max_msgs == 50
-        assert await read_config(js, config.run) == tuned
+        assert await read_config(js, config.run, model=PipelineConfig) == tuned
     finally:
         await nc.close()
 
@@ -52,7 +53,7 @@ async def test_incompatible_change_is_refused_and_nothing_changes(settings):
         changed = run_config(run=config.run, groups_per_step=5, bus={"storage": "memory"})
         with pytest.raises(TopologyConflict, match=r"bus.storage: 'file' -> 'memory'; groups_per_step: 2 -> 5"):
             await provision(js, changed)
-        assert await read_config(js, config.run) == config
+        assert await read_config(js, config.run, model=PipelineConfig) == config
     finally:
         await nc.close()
 
@@ -61,6 +62,25 @@ async def test_unknown_run_is_reported(settings):
     nc = await connect(settings)
     try:
         with pytest.raises(RunNotFound, match="relax init"):
-            await read_config(nc.jetstream(), "never-made")
+            await read_config(nc.jetstream(), "never-made", model=PipelineConfig)
+    finally:
+        await nc.close()
+
+
+async def test_delete_run_removes_only_that_runs_objects(settings):
+    kept, gone = run_config(), run_config()
+    nc = await connect(settings)
+    js = nc.jetstream()
+    try:
+        await provision(js, kept)
+        await provision(js, gone)
+        deleted = await delete_run(js, gone)
+        streams = {s.config.name for s in await js.streams_info()}
+        assert len(deleted) == 6 + 2 + 2, deleted
+        assert not any(gone.run in name for name in streams), streams
+        assert sum(name.startswith(f"RELAX_{kept.run}_") for name in streams) == 6
+        assert f"KV_relax_{kept.run}_state" in streams and f"OBJ_relax_{kept.run}_weights" in streams
+        assert await read_config(js, gone.run, missing_ok=True, model=PipelineConfig) is None
+        assert await delete_run(js, gone) == []  # repeatable: what is gone is skipped
     finally:
         await nc.close()

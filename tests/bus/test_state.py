@@ -9,11 +9,13 @@ from relax_bus.bus import Bus
 from relax_bus.connection import connect
 from relax_bus.errors import VersionConflict
 from relax_bus.heartbeat import HeartbeatWriter, live_workers
+from relax_bus.kv_keys import kv_keys
 from relax_bus.stale_filter import DROPPED_KEY, add_to_counter, read_counter, stale_filter
 from relax_bus.worker import Delivery, Worker, WorkerOptions
 from schemas import PromptGroup, RunEvent, TrainGroup, WorkerHeartbeat
 from tests import factories as f
 from tests.bus.test_publish import read_all
+from workers.config import PipelineConfig
 
 pytestmark = pytest.mark.bus
 
@@ -45,7 +47,7 @@ async def test_version_watcher_sees_updates_and_survives_a_server_restart(bus, n
         await wait_until(lambda: seen == [0, 1] or seen == [1])
         nats_server.stop()
         nats_server.start()  # same port, same store dir: streams and KV survive
-        writer = await Bus.connect(settings, bus.run)
+        writer = await Bus.connect(settings, bus.run, config_model=PipelineConfig)
         try:
             await writer.version.advance(2, rev)
         finally:
@@ -56,9 +58,16 @@ async def test_version_watcher_sees_updates_and_survives_a_server_restart(bus, n
         task.cancel()
 
 
-async def wait_until(cond, within_s=5.0):
+async def wait_until(cond, within_s=30.0):
     deadline = time.monotonic() + within_s
     while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+async def wait_until_async(cond, within_s=30.0):
+    deadline = time.monotonic() + within_s
+    while not await cond():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.05)
 
@@ -69,16 +78,33 @@ async def test_heartbeat_is_listed_then_disappears_after_its_ttl(bus):
 
     writer = HeartbeatWriter(bus.workers, "reward.w1", beat, interval_s=0.3)
     writer.start()
-    await asyncio.sleep(0.5)
-    assert [w.worker_id for w in await live_workers(bus.workers)] == ["w1"]
+    listed: list[str] = []
+
+    async def listed_now() -> bool:
+        listed[:] = [w.worker_id for w in await live_workers(bus.workers)]
+        return listed == ["w1"]
+
+    await wait_until_async(listed_now)
     await writer.stop(remove=False)  # as if the worker hung or was killed: no more beats, no delete
+    last = writer.last_beat_at
+    assert last is not None
     ttl = bus.config.bus.heartbeat_ttl_s
-    await asyncio.sleep(ttl * 0.5)
-    assert len(await live_workers(bus.workers)) == 1  # still within its TTL
-    deadline = time.monotonic() + ttl * 3
     while await live_workers(bus.workers):
-        assert time.monotonic() < deadline, "heartbeat outlived its TTL"
-        await asyncio.sleep(0.2)
+        assert time.monotonic() - last < ttl * 3, "heartbeat outlived its TTL"
+        await asyncio.sleep(0.05)
+    # Gone no earlier than its TTL after the last beat was stored (load can only make this later).
+    assert time.monotonic() - last >= ttl * 0.9, f"gone {time.monotonic() - last:.2f}s after the last beat"
+
+
+async def test_kv_keys_lists_each_key_once_and_an_empty_bucket_as_empty(bus):
+    assert await kv_keys(bus.workers) == []
+    await bus.workers.put("reward.w2", b"a")
+    await bus.workers.put("reward.w1", b"b")
+    await bus.workers.put("reward.w1", b"c")
+    assert await kv_keys(bus.workers) == ["reward.w1", "reward.w2"]
+    await bus.workers.delete("reward.w2")  # its delete marker keeps the key listed; readers skip it
+    assert await kv_keys(bus.workers) == ["reward.w1", "reward.w2"]
+    assert [w for w in await live_workers(bus.workers)] == []  # neither value is a heartbeat
 
 
 async def test_a_running_worker_heartbeats_and_removes_itself_on_stop(bus):
@@ -87,7 +113,7 @@ async def test_a_running_worker_heartbeats_and_removes_itself_on_stop(bus):
 
     worker = Worker(bus, "rollout", idle, PromptGroup, WorkerOptions(fetch_timeout_s=0.2))
     task = asyncio.create_task(worker.run())
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while not await live_workers(bus.workers):
         assert time.monotonic() < deadline
         await asyncio.sleep(0.05)

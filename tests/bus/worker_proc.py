@@ -16,6 +16,7 @@ from relax_bus.settings import ConnectionSettings
 from relax_bus.worker import Delivery, Worker, WorkerOptions
 from schemas import PromptGroup, RolloutGroup
 from tests import factories as f
+from workers.config import PipelineConfig
 
 
 async def main() -> int:
@@ -28,7 +29,7 @@ async def main() -> int:
     p.add_argument("--grace", type=float, default=30.0)
     args = p.parse_args()
     log.configure("info", json=True)
-    bus = await Bus.connect(ConnectionSettings(nats_url=[args.nats_url]), args.run)
+    bus = await Bus.connect(ConnectionSettings(nats_url=[args.nats_url]), args.run, config_model=PipelineConfig)
 
     def note(line: str) -> None:
         with open(args.log, "a") as out:

@@ -71,8 +71,21 @@ class Chaos:
                     self._start(*key)
                     del down[key]
             self._restart_crashed(down)
-            assert now < deadline, f"run stuck at step {step}; chaos log: {self.log}\n{self.cluster.all_logs()}"
+            if now >= deadline:
+                await self._fail_stuck(step)
             await asyncio.sleep(0.1)
+
+    async def _fail_stuck(self, step: int) -> None:
+        """Fail with what a stalled run can tell: the hops still holding messages and every role's stacks."""
+        try:
+            hops: object = await asyncio.wait_for(self.cluster.stuck(), 5.0)
+        except Exception as err:  # tolerated: the report goes out without them
+            hops = f"unreadable ({err!r})"
+        self.cluster.dump_stacks()
+        raise AssertionError(
+            f"run stuck at step {step}; hops (pending, unacked): {hops}; chaos log: {self.log}\n"
+            f"{self.cluster.all_logs(lines=120)}"
+        )
 
     async def _step(self) -> int:
         if self.server is not None and self.server.proc is None:
@@ -88,8 +101,16 @@ class Chaos:
         if kill.target == SERVER:
             assert self.server is not None
             self.server.kill()
-        else:
-            self.cluster.kill(kill.target, kill.index)
+            return
+        role = self.cluster.role(kill.target, kill.index)
+        code = role.proc.poll() if role.proc is not None else None
+        if code is not None and not role.finished:
+            # It died on its own just before the planned kill: that exit stands in for the kill.
+            self.unplanned[role.name] += 1
+            self.log.append(f"{role.name}-{role.index} had exited with {code} before the kill")
+            role.finished = True
+            return
+        self.cluster.kill(kill.target, kill.index)
 
     def _start(self, target: str, index: int) -> None:
         if target == SERVER:
@@ -99,14 +120,8 @@ class Chaos:
             self.cluster.restart(target, index)
 
     def _restart_crashed(self, down: dict[tuple[str, int], float]) -> None:
-        for role in self.cluster.roles:
-            if role.finished or role.proc is None or (role.name, role.index) in down:
-                continue
-            code = role.proc.poll()
-            if code is None:
-                continue
-            if code == 0 and role.name in ("feeder", "actor"):
-                role.finished = True  # these end by themselves
+        for role, code in self.cluster.processes.failed():  # a role that ends by itself is marked finished
+            if (role.name, role.index) in down:
                 continue
             self.unplanned[role.name] += 1
             self.log.append(f"{role.name}-{role.index} exited with {code}: restarted")

@@ -25,7 +25,7 @@ def figures(acc: Accounting, steps: int, version: int, stuck: int) -> dict[str, 
     """The accounting columns of one run (duplicated and lost must be 0)."""
     trained = acc.trained
     settled = set(trained) | set(acc.dropped)
-    released = {f"e{i // 100}-i{i % 100}" for i in range(acc.released)}
+    released = set(acc.released_ids)
     return {
         "released": acc.released,
         "trained": len(trained),

@@ -36,6 +36,8 @@ class Samples:
                     self.rss[f"{role.name}-{role.index}"].append(value)
         assert cluster.bus is not None
         for c in cluster.bus.topology.consumers:
+            if c.stream_key == "events":
+                continue  # the metrics role's durable: events, not groups (the credit rule bounds groups)
             info = await cluster.bus.js.consumer_info(cluster.bus.topology.stream(c.stream_key).name, c.durable)
             self.depth[c.stream_key].append(int(info.num_pending or 0) + int(info.num_ack_pending or 0))
 

@@ -11,11 +11,11 @@ import time
 import pytest
 
 from relax_bus.server import EmbeddedServer
-from relax_bus.settings import RunConfig, parse_run_config
 from tests.chaos.driver import SERVER, Chaos, Kill, plan
 from tests.chaos.report import REPORTS, ChaosReport, figures
 from tests.e2e.cluster import Cluster, small_config
 from tests.e2e.test_pipeline import run_id
+from workers.config import PipelineConfig, parse_config
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 
@@ -23,8 +23,8 @@ SEED = int(os.environ.get("RELAX_CHAOS_SEED", "7"))
 STEPS = 16
 
 
-def chaos_config() -> RunConfig:
-    return parse_run_config(
+def chaos_config() -> PipelineConfig:
+    return parse_config(
         small_config(
             run_id(),
             trainer={"steps": STEPS, "checkpoint_every": 2, "kl_coef": 0.02},
@@ -44,7 +44,7 @@ async def run_chaos(name: str, server: EmbeddedServer, tmp_path, kills: list[Kil
         await cluster.wait_done()
         acc = await cluster.accounting()
         acc.check_exactly_once(STEPS, config.groups_per_step)
-        stuck = await wait_unstuck(cluster, 4 * config.bus.ack_wait_s + 10)
+        stuck = await wait_unstuck(cluster, 4 * config.bus.ack_wait_s + 60)
         version = await cluster.kv_int("policy.version")
         # The trainer's records agree: the surviving record of each step carries a strictly
         # increasing version, the last of which is the published policy version.

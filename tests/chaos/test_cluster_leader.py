@@ -10,11 +10,11 @@ from collections import Counter
 
 import pytest
 
-from relax_bus.settings import parse_run_config
 from tests.chaos.report import REPORTS, ChaosReport, figures
 from tests.chaos.test_chaos import wait_unstuck
 from tests.e2e.cluster import Cluster, small_config
 from tests.e2e.test_pipeline import run_id
+from workers.config import parse_config
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 
@@ -22,7 +22,7 @@ STEPS = 12
 
 
 async def test_killing_the_stream_leader_mid_run_loses_nothing(nats_cluster, tmp_path):
-    config = parse_run_config(
+    config = parse_config(
         small_config(run_id(), trainer={"steps": STEPS, "checkpoint_every": 2}, bus={"replicas": 3, "ack_wait_s": 3})
     )
     cluster = await Cluster.start(nats_cluster.url, config, tmp_path)

@@ -12,19 +12,21 @@ import time
 
 import pytest
 
-from relax_bus.settings import parse_run_config
 from tests.chaos.report import SOAK_TABLES
 from tests.chaos.soak import Samples
 from tests.e2e.cluster import Cluster, small_config
 from tests.e2e.test_pipeline import run_id
+from workers.config import parse_config
 
 SOAK_S = float(os.environ.get("RELAX_SOAK_S", "90"))
-pytestmark = [pytest.mark.chaos, pytest.mark.timeout(int(SOAK_S) + 300)]
+MIN_STEPS = 10  # the soak goes on past SOAK_S until this many steps are trained
+STEPS_GRACE_S = 240.0
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(int(SOAK_S + STEPS_GRACE_S) + 300)]
 
 
 async def test_soak_keeps_memory_and_queues_bounded(nats_server, tmp_path):
     staleness, per_step = 2, 4
-    config = parse_run_config(
+    config = parse_config(
         small_config(
             run_id(),
             groups_per_step=per_step,
@@ -40,18 +42,25 @@ async def test_soak_keeps_memory_and_queues_bounded(nats_server, tmp_path):
         await cluster.wait_step(1)
         started = time.monotonic()
         first_step = await cluster.kv_int("trainer.step")
-        while time.monotonic() - started < SOAK_S:
+        steps = 0
+        # At least SOAK_S of steady work and at least MIN_STEPS steps: a loaded machine soaks for longer.
+        while time.monotonic() - started < SOAK_S or steps < MIN_STEPS:
+            assert time.monotonic() - started < SOAK_S + STEPS_GRACE_S, (
+                f"only {steps} steps in {time.monotonic() - started:.0f}s\n{cluster.all_logs()}"
+            )
             for r in cluster.roles:
                 assert r.proc is not None and r.proc.poll() is None, f"{r.name}-{r.index} died:\n{cluster.log_tail(r)}"
             await samples.take(cluster)
-            await asyncio.sleep(0.5)
-        steps = await cluster.kv_int("trainer.step") - first_step
+            steps = await cluster.kv_int("trainer.step") - first_step
+            await asyncio.sleep(0.5)  # sampling interval of the memory and queue series
+        soaked_s = time.monotonic() - started
     finally:
         await cluster.stop()
     SOAK_TABLES.append(
-        samples.table(f"soak: {SOAK_S:g}s, {steps} steps, rollout x3, reward x2, max_ack_pending 4, max_staleness 2")
+        samples.table(
+            f"soak: {soaked_s:.0f}s, {steps} steps, rollout x3, reward x2, max_ack_pending 4, max_staleness 2"
+        ),
     )
-    assert steps > 10, f"only {steps} steps in {SOAK_S:g}s"
     # The credit rule admits at most (S + 1) * B groups beyond the trained ones: no hop can hold more.
     bound = (staleness + 1) * per_step
     for hop, series in samples.depth.items():

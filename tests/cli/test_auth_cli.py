@@ -35,13 +35,13 @@ def test_auth_writes_private_files_once_and_the_server_enforces_them(tmp_path):
     args = ("auth", cfg, "--out", str(out), "--port", str(port), "--store-dir", str(tmp_path / "js"))
     first = relax(*args)
     assert first.returncode == 0, first.stderr
-    assert "run clauth: 6 NATS users written" in first.stdout and "bcrypt" in first.stdout
+    assert "run clauth: 7 NATS users written" in first.stdout and "bcrypt" in first.stdout
     files = sorted(p.name for p in out.iterdir())
     assert files == sorted(
         [
             "nats-server.conf",
             "auth.conf",
-            *(f"{r}.env" for r in ("feeder", "rollout", "reward", "actor", "admin", "observer")),
+            *(f"{r}.env" for r in ("feeder", "rollout", "reward", "actor", "metrics", "admin", "observer")),
         ]
     )
     assert all((out / f).stat().st_mode & 0o777 == 0o600 for f in files)
@@ -61,7 +61,7 @@ def test_auth_writes_private_files_once_and_the_server_enforces_them(tmp_path):
         url = f"nats://127.0.0.1:{port}"
         assert_one_line_error(relax("init", cfg, "--nats-url", url), "Authorization Violation")
         init = relax("init", cfg, "--nats-url", url, env=env_file(out / "admin.env"))
-        assert init.returncode == 0 and "13 created" in init.stdout, init.stderr
+        assert init.returncode == 0 and "14 created" in init.stdout, init.stderr
         shown = relax("inspect", "clauth", "--nats-url", url, "--json", env=env_file(out / "observer.env"))
         assert shown.returncode == 0 and '"run": "clauth"' in shown.stdout, shown.stderr
     finally:

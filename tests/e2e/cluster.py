@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +16,13 @@ from relax_bus.connection import connect
 from relax_bus.envelope import open_message
 from relax_bus.outage import through_outage
 from relax_bus.provision import provision_when_ready
-from relax_bus.settings import ConnectionSettings, RunConfig
+from relax_bus.settings import ConnectionSettings
 from schemas import Message, Metric, RunEvent, TrainGroup
-from workers.launcher import Role, role_commands
+from tests.waiting import until
+from workers.config import PipelineConfig, task_seed, task_spec
+from workers.data.tasks import load_task
+from workers.launch.processes import RoleProcess, RunProcesses
+from workers.roles.feeder import group_id_for
 
 
 def small_config(run: str, **overrides: Any) -> dict[str, Any]:
@@ -49,16 +51,20 @@ class Cluster:
     """Every role of one run as a separate process."""
 
     url: str
-    config: RunConfig
+    config: PipelineConfig
     work: Path
-    roles: list[Role]
+    processes: RunProcesses
     bus: Bus | None = None
+
+    @property
+    def roles(self) -> list[RoleProcess]:
+        return self.processes.roles
 
     @classmethod
     async def start(
         cls,
         url: str,
-        config: RunConfig,
+        config: PipelineConfig,
         work: Path,
         settings: ConnectionSettings | None = None,
         role_env: dict[str, dict[str, str]] | None = None,
@@ -67,34 +73,21 @@ class Cluster:
         `role_env[name]` (its own NATS credentials, say) added to the environment."""
         nc = await connect(settings or ConnectionSettings(nats_url=url.split(",")), name="e2e")
         await provision_when_ready(nc.jetstream(), config, wait_s=30.0)  # a fresh cluster elects its leader first
-        (work / "logs").mkdir(parents=True, exist_ok=True)
-        roles = [
-            Role(name, i, cmd, work / "logs" / f"{name}-{i}.log", env=(role_env or {}).get(name, {}))
-            for name, i, cmd in role_commands(config, url, work / "cache")
-        ]
-        cluster = cls(url, config, work, roles, await Bus.attach(nc, config.run))
-        for role in roles:
-            role.start()
+        processes = RunProcesses(config, url, work / "cache", work / "logs", role_env)
+        cluster = cls(url, config, work, processes, await Bus.attach(nc, config.run, PipelineConfig))
+        processes.start()
         return cluster
 
-    def role(self, name: str, index: int = 0) -> Role:
-        return next(r for r in self.roles if r.name == name and r.index == index)
+    def role(self, name: str, index: int = 0) -> RoleProcess:
+        return self.processes.get(name, index)
 
     def kill(self, name: str, index: int = 0) -> None:
         """SIGKILL a role process by its PID, as a crash would."""
-        role = self.role(name, index)
-        assert role.proc is not None and role.proc.poll() is None, f"{name}-{index} is not running"
-        os.kill(role.proc.pid, signal.SIGKILL)
-        role.proc.wait(timeout=10)
-        role.finished = True  # expected to be dead from now on
+        self.processes.kill(name, index)
 
     def restart(self, name: str, index: int = 0) -> None:
         """Start a role again (after a kill or a crash), as a supervisor would."""
-        role = self.role(name, index)
-        role.stop()
-        role.restarts += 1
-        role.finished = False
-        role.start()
+        self.processes.restart(name, index)
 
     async def stuck(self) -> dict[str, tuple[int, int]]:
         """`hop -> (pending, unacked)` for every hop consumer that still holds messages."""
@@ -123,31 +116,33 @@ class Cluster:
                 code = r.proc.poll() if r.proc and not r.finished else None
                 if code not in (None, 0):
                     raise AssertionError(f"{r.name}-{r.index} died with {code}:\n{self.log_tail(r, 120)}")
-            assert time.monotonic() < deadline, f"step {step} not reached in {timeout_s}s\n{self.all_logs()}"
+            if time.monotonic() >= deadline:
+                self.dump_stacks()
+                raise AssertionError(f"step {step} not reached in {timeout_s}s\n{self.all_logs(lines=80)}")
             await asyncio.sleep(0.2)
 
     async def wait_done(self, timeout_s: float = 240.0) -> None:
         await self.wait_step(self.config.trainer.steps, timeout_s)
         actor = self.role("actor")
         assert actor.proc is not None
-        deadline = time.monotonic() + 60
-        while actor.proc.poll() is None:
-            assert time.monotonic() < deadline, "actor did not exit after its last step"
-            await asyncio.sleep(0.2)
-        assert actor.proc.returncode == 0, self.log_tail(actor)
+        code = await until(
+            actor.proc.poll, lambda c: c is not None, 120, f"actor exit after its last step ({actor.log_path})"
+        )
+        assert code == 0, self.log_tail(actor)
 
-    def log_tail(self, role: Role, lines: int = 30) -> str:
-        try:
-            return "\n".join(role.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+    def log_tail(self, role: RoleProcess, lines: int = 30) -> str:
+        return role.log_tail(lines) or "(no log)"
 
-    def all_logs(self) -> str:
-        return "\n".join(f"--- {r.name}-{r.index}\n{self.log_tail(r, 15)}" for r in self.roles)
+    def all_logs(self, lines: int = 15) -> str:
+        return "\n".join(f"--- {r.name}-{r.index}\n{self.log_tail(r, lines)}" for r in self.roles)
+
+    def dump_stacks(self) -> None:
+        """Have every live role write its thread stacks into its log (SIGUSR1; torchrun launchers excepted)."""
+        self.processes.dump_stacks()
+        time.sleep(1.0)  # only on the way to a failure: give them a moment to write before the logs are read
 
     async def stop(self) -> None:
-        for role in reversed(self.roles):
-            role.stop(timeout_s=15)
+        self.processes.stop(timeout_s=15)
         if self.bus is not None:
             await self.bus.nc.close()
 
@@ -164,7 +159,13 @@ class Cluster:
 
     async def accounting(self) -> Accounting:
         events = await self.read("events")
-        return Accounting.from_events(events, await self.kv_int("feeder.cursor"), await self.read("train"))
+        released = await self.kv_int("feeder.cursor")
+        return Accounting.from_events(events, released, await self.read("train"), self.released_ids(released))
+
+    def released_ids(self, released: int) -> list[str]:
+        """The ids of the first `released` groups, as the feeder names them (epochs reshuffled when seeded)."""
+        items, seed = load_task(task_spec(self.config.task)), task_seed(self.config.task)
+        return [group_id_for(items, i, seed) for i in range(released)]
 
 
 @dataclass
@@ -172,17 +173,22 @@ class Accounting:
     """Where every released prompt group ended up."""
 
     released: int
+    released_ids: list[str]
+    """The ids of the released groups, in release order."""
     effective: dict[int, list[str]]
     """step -> group ids of the step whose update survived (the last record of each step number)."""
     dropped: list[str]
     requeued: list[str]
     metrics: list[Metric]
     train_groups: list[TrainGroup]
+    filtered: list[str] = field(default_factory=list)
+    """Groups the reward role filtered (all rewards equal), once each: an event seen again after a redelivery
+    names the same group."""
 
     @classmethod
-    def from_events(cls, events: list[Message], released: int, train: list[Message]) -> Accounting:
+    def from_events(cls, events: list[Message], released: int, train: list[Message], ids: list[str]) -> Accounting:
         effective: dict[int, list[str]] = {}
-        dropped, requeued = [], []
+        dropped, requeued, filtered = [], [], {}
         for e in events:
             if isinstance(e, RunEvent) and e.event == "step_trained":
                 effective[int(e.fields["step"])] = str(e.fields["groups"]).split(",")  # type: ignore[arg-type]
@@ -190,23 +196,25 @@ class Accounting:
                 dropped.append(str(e.fields["group_id"]))
             elif isinstance(e, RunEvent) and e.event == "group_requeued":
                 requeued.append(str(e.fields["group_id"]))
+            elif isinstance(e, RunEvent) and e.event == "group_filtered":
+                filtered[str(e.fields["group_id"])] = None
         metrics = [e for e in events if isinstance(e, Metric)]
         groups = [t for t in train if isinstance(t, TrainGroup)]
-        return cls(released, effective, dropped, requeued, metrics, groups)
+        return cls(released, ids, effective, dropped, requeued, metrics, groups, list(filtered))
 
     @property
     def trained(self) -> list[str]:
         return [g for step in sorted(self.effective) for g in self.effective[step]]
 
     def check_exactly_once(self, steps: int, groups_per_step: int) -> None:
-        """Every released group trained exactly once or dropped; nothing trained twice or skipped."""
+        """Every released group trained exactly once, dropped or filtered; nothing trained twice or skipped."""
         trained = self.trained
         twice = [g for g, n in Counter(trained).items() if n > 1]
         assert not twice, f"trained twice: {twice}"
         assert sorted(self.effective) == list(range(1, steps + 1)), f"steps recorded: {sorted(self.effective)}"
         assert len(trained) == steps * groups_per_step
-        settled = set(trained) | set(self.dropped)
+        settled = set(trained) | set(self.dropped) | set(self.filtered)
         assert not set(trained) & set(self.dropped), "a group was both trained and dropped"
-        released = {f"e{i // 100}-i{i % 100}" for i in range(self.released)}
-        missing = released - settled
-        assert not missing, f"released but neither trained nor dropped: {sorted(missing)}"
+        assert not set(trained) & set(self.filtered), "a group was both trained and filtered"
+        missing = set(self.released_ids) - settled
+        assert not missing, f"released but neither trained, dropped nor filtered: {sorted(missing)}"

@@ -7,15 +7,16 @@ import uuid
 import pytest
 
 from relax_bus.credentials import write_bundle
-from relax_bus.settings import ConnectionSettings, parse_run_config
+from relax_bus.settings import ConnectionSettings
 from tests.bus.test_auth import server_from
 from tests.e2e.cluster import Cluster, small_config
+from workers.config import parse_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 
 async def test_a_run_under_per_role_credentials_trains_every_group_once(tmp_path):
-    config = parse_run_config(small_config(f"auth{uuid.uuid4().hex[:8]}", trainer={"steps": 4}))
+    config = parse_config(small_config(f"auth{uuid.uuid4().hex[:8]}", trainer={"steps": 4}))
     bundle = write_bundle(config, tmp_path / "auth", store_dir=None)
     server = server_from(bundle, tmp_path / "nats")
     try:

@@ -8,7 +8,7 @@ import asyncio
 import functools
 import multiprocessing
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -33,10 +33,11 @@ from schemas import (
 )
 from tests import factories as f
 from tests.bus.test_publish import read_all
-from workers.models import materialize
-from workers.reward import reward_worker
-from workers.rollout import Rollout, rollout_worker
-from workers.tokenizer import BOS_ID
+from tests.waiting import holds, until
+from workers.data.models import materialize
+from workers.data.tokenizer import BOS_ID
+from workers.roles.reward import reward_worker
+from workers.roles.rollout import Rollout, rollout_worker
 from workers.weights import make_transport
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -87,14 +88,6 @@ def with_texts(run: str, i: int, texts: tuple[str, ...], prompt: PromptGroup | N
     sample = base.samples[0]
     samples = tuple(Sample(token_ids=sample.token_ids, logprobs=sample.logprobs, text=t) for t in texts)
     return base.model_copy(update={"samples": samples})
-
-
-async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    for _ in range(int(timeout_s * 10)):
-        if condition():
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"still false after {timeout_s:g}s")
 
 
 async def dead_letters(bus: Bus) -> dict[int, DeadLetter]:
@@ -177,17 +170,24 @@ async def test_a_full_output_hop_holds_the_input_without_losing_it(make_bus, cac
     async with rollout_role(bus, cache) as (worker, _):
         task = asyncio.create_task(worker.run())
         try:
-            await until(lambda: worker.counters.received == 2)
-            await asyncio.sleep(3.0)  # past ack_wait x max_deliver: a nak'd or expired input would be dead by now
+            await until(lambda: worker.counters.received, lambda n: n == 2, 60, "both prompts received")
+            # Held well past ack_wait x max_deliver (2 s), by the clock and by refused publishes: a nak'd or
+            # expired input would be dead by then. Every poll checks that nothing was redelivered meanwhile.
             prompts = bus.topology.stream("prompts").name
-            held = await bus.js.consumer_info(prompts, "rollout")
-            assert (held.num_ack_pending, held.num_redelivered, held.num_pending) == (2, 0, 0)
+
+            async def held() -> tuple[int, int, int]:
+                info = await bus.js.consumer_info(prompts, "rollout")
+                return (info.num_ack_pending, info.num_redelivered, info.num_pending)
+
+            await holds(held, lambda h: h == (2, 0, 0), 4.0, "both inputs held, none redelivered")
+            await until(lambda: worker.counters.output_full, lambda n: n >= 4, 60, "four refused publishes")
+            await holds(held, lambda h: h == (2, 0, 0), 0.0, "both inputs still held")
             assert await read_all(bus, "dlq") == [] and worker.counters.processed == 0
 
             sub = await bus.js.pull_subscribe_bind("reward", bus.topology.stream("rollouts").name)
             for msg in await sub.fetch(2, timeout=5):  # the reward role takes the old groups: room appears
                 await msg.ack_sync()
-            await until(lambda: worker.counters.processed == 2)
+            await until(lambda: worker.counters.processed, lambda n: n == 2, 60, "both prompts generated")
         finally:
             worker.stop()
             await asyncio.wait_for(task, 30)

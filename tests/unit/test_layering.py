@@ -2,8 +2,11 @@
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HEAVY = {"torch", "transformers", "vllm", "safetensors", "tokenizers"}
@@ -37,6 +40,50 @@ def test_relax_bus_imports_no_ml_library_and_no_workers():
     assert not bad, f"relax_bus imports {bad}"
 
 
+def module_strings(package: str) -> list[tuple[str, int, str]]:
+    """Every string constant in `package` that names a module of the roles' package, and every string
+    handed to `importlib.import_module` / `__import__` (a dynamic import the checks above cannot see)."""
+    found = []
+    for path in (ROOT / package).rglob("*.py"):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        where = str(path.relative_to(ROOT))
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and re.search(r"\bworkers\.\w", node.value)
+            ):
+                found.append((where, node.lineno, node.value[:60]))
+            if isinstance(node, ast.Call):
+                fn = node.func
+                name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else ""
+                if name in {"import_module", "__import__"}:
+                    found.append((where, node.lineno, ast.unparse(node)[:60]))
+    return found
+
+
+def test_relax_bus_names_no_roles_module_and_imports_nothing_dynamically():
+    assert module_strings("relax_bus") == []
+
+
+def test_dynamic_import_check_would_catch_one(tmp_path):
+    (tmp_path / "relax_bus").mkdir()
+    (tmp_path / "relax_bus" / "x.py").write_text(
+        "import importlib\nm = importlib.import_module('workers.roles.serve')\nn = __import__(name)\n"
+    )
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        found = module_strings("relax_bus")
+    finally:
+        ROOT = saved
+    assert sorted((line, text.split("(")[0]) for _, line, text in found) == [
+        (2, "importlib.import_module"),
+        (2, "workers.roles.serve"),
+        (3, "__import__"),
+    ], found
+
+
 def test_importing_every_bus_module_loads_no_ml_library():
     modules = [f"relax_bus.{p.stem}" for p in (ROOT / "relax_bus").glob("*.py") if p.stem != "__init__"]
     modules += [f"schemas.{p.stem}" for p in (ROOT / "schemas").glob("*.py") if p.stem != "__init__"]
@@ -60,8 +107,13 @@ def test_layering_check_would_catch_a_violation(tmp_path):
         ROOT = saved
 
 
-def test_cli_help_imports_nothing_heavy():
-    heavy = ("nats", "pydantic", "msgpack", "yaml")
-    code = f"import sys, relax_bus.cli; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+@pytest.mark.parametrize("cli", ["relax_bus.cli", "workers.cli"])
+def test_cli_help_imports_nothing_heavy(cli):
+    heavy = ("nats", "pydantic", "msgpack", "yaml", "torch")
+    code = (
+        f"import sys, {cli}\n"
+        f"try:\n    {cli}.main(['--help'])\nexcept SystemExit:\n    pass\n"
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert out.stdout.strip() == "[]"
+    assert out.stdout.strip().splitlines()[-1] == "[]"

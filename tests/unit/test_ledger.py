@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from workers.ledger import RangeSet
+from workers.roles.ledger import RangeSet
 
 
 def test_in_order_inserts_stay_one_range():

@@ -4,7 +4,9 @@ from pydantic import ValidationError
 
 from schemas import (
     MESSAGE_TYPES,
+    SCHEMA_VERSION,
     AudioPart,
+    ChatTurn,
     DeadLetter,
     ImagePart,
     InvalidMessage,
@@ -33,14 +35,17 @@ def every_message():
     p = f.prompt("r1", 3)
     r = f.rollout(p, version=2)
     s = f.scored(r)
+    turns = (ChatTurn(role="system", content="Be brief."), ChatTurn(role="user", content="hi"))
+    history = (*turns, ChatTurn(role="assistant", content="hello"))
+    conversation = p.model_copy(update={"group_id": "g3-chat", "history": history})  # its own publish id
     return [
         p,
+        conversation,
         r,
         s,
         TrainGroup(
             scored=s,
             ref_logprobs=(WireTensor.from_values([-0.4, -0.2], "float32"),) * 2,
-            advantages=(0.5, -0.5),
         ),
         WeightsAnnouncement(run="r1", version=4, location="v4", size=123, digest="sha256:" + "0" * 64),
         WorkerHeartbeat(
@@ -68,7 +73,7 @@ def test_round_trip(message):
     back = decode(data)
     assert back == message
     assert type(back) is type(message)
-    assert peek_kind(data) == (message.kind, "1.0")
+    assert peek_kind(data) == (message.kind, SCHEMA_VERSION)
 
 
 def test_tensors_travel_as_bytes_not_lists():

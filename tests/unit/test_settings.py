@@ -1,18 +1,19 @@
 import pytest
 
 from relax_bus.errors import ConfigError
-from relax_bus.settings import ConnectionSettings, incompatible_changes, load_run_config, parse_run_config
+from relax_bus.settings import ConnectionSettings, incompatible_changes
 from relax_bus.topology import build_topology
+from workers.config import load_config, parse_config
 
 
 def test_minimal_config_gets_defaults():
-    c = parse_run_config({"run": "r1"})
+    c = parse_config({"run": "r1"})
     assert c.staleness.max_staleness == 1 and c.bus.storage == "file"
 
 
 @pytest.mark.parametrize("word", ["unbounded", "Unbounded", "inf", "none"])
 def test_unbounded_staleness(word):
-    assert parse_run_config({"run": "r1", "staleness": {"max_staleness": word}}).staleness.max_staleness is None
+    assert parse_config({"run": "r1", "staleness": {"max_staleness": word}}).staleness.max_staleness is None
 
 
 def test_every_problem_is_reported_at_once(tmp_path):
@@ -26,7 +27,7 @@ def test_every_problem_is_reported_at_once(tmp_path):
         "unknown_top: 3\n"
     )
     with pytest.raises(ConfigError) as info:
-        load_run_config(path)
+        load_config(path)
     err = info.value
     text = str(err)
     assert len(err.problems) == 8, err.problems
@@ -46,29 +47,29 @@ def test_every_problem_is_reported_at_once(tmp_path):
 
 def test_contradictory_settings_are_explained():
     with pytest.raises(ConfigError, match=r"duplicate_window_s .* must be at least ack_wait_s"):
-        parse_run_config({"run": "r1", "bus": {"ack_wait_s": 600, "duplicate_window_s": 60}})
+        parse_config({"run": "r1", "bus": {"ack_wait_s": 600, "duplicate_window_s": 60}})
     with pytest.raises(ConfigError, match="smaller than groups_per_step"):
-        parse_run_config({"run": "r1", "groups_per_step": 64, "bus": {"hop_max_msgs": 10}})
+        parse_config({"run": "r1", "groups_per_step": 64, "bus": {"hop_max_msgs": 10}})
 
 
 def test_unreadable_and_non_mapping_files(tmp_path):
     with pytest.raises(ConfigError, match="cannot read file"):
-        load_run_config(tmp_path / "missing.yaml")
+        load_config(tmp_path / "missing.yaml")
     bad = tmp_path / "list.yaml"
     bad.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
-        load_run_config(bad)
+        load_config(bad)
     broken = tmp_path / "broken.json"
     broken.write_text("{nope")
     with pytest.raises(ConfigError, match="not valid JSON"):
-        load_run_config(broken)
+        load_config(broken)
 
 
 def test_incompatible_changes_ignore_tunables():
-    a = parse_run_config({"run": "r1"})
-    b = parse_run_config({"run": "r1", "bus": {"max_ack_pending": 70, "ack_wait_s": 90}})
+    a = parse_config({"run": "r1"})
+    b = parse_config({"run": "r1", "bus": {"max_ack_pending": 70, "ack_wait_s": 90}})
     assert incompatible_changes(a, b) == []
-    c = parse_run_config({"run": "r1", "groups_per_step": 3, "staleness": {"max_staleness": 0}})
+    c = parse_config({"run": "r1", "groups_per_step": 3, "staleness": {"max_staleness": 0}})
     changes = incompatible_changes(a, c)
     assert changes == ["groups_per_step: 8 -> 3", "staleness.max_staleness: 1 -> 0"]
 
@@ -87,7 +88,7 @@ def test_tls_cert_needs_key():
 
 def test_wrong_types_and_out_of_range_values_are_named():
     with pytest.raises(ConfigError) as info:
-        parse_run_config(
+        parse_config(
             {
                 "run": "r1",
                 "groups_per_step": 0,
@@ -105,8 +106,7 @@ def test_wrong_types_and_out_of_range_values_are_named():
         "samples_per_group: Input should be a valid integer, got a number with a fractional part (got 1.5)",
         "staleness.max_staleness: Input should be greater than or equal to 0 (got -1)",
         "staleness.max_requeues: Input should be a valid integer",
-        "rollout.engine: Input should be 'torch', ",  # the list of engines follows
-        "(got 'tensorrt')",
+        "rollout.engine: unknown type 'tensorrt' (known: 'torch', 'vllm', 'sim')",
         "rollout.temperature: Input should be greater than 0",
         "rollout.top_p: Input should be less than or equal to 1",
         "rollout.batch_groups: Input should be a valid integer",
@@ -119,19 +119,19 @@ def test_wrong_types_and_out_of_range_values_are_named():
 
 def test_more_contradictions_are_explained():
     with pytest.raises(ConfigError, match=r"tis_low \(2\.0\) must be below tis_high \(2\.0\)"):
-        parse_run_config({"run": "r1", "trainer": {"tis_low": 2.0}})
+        parse_config({"run": "r1", "trainer": {"tis_low": 2.0}})
     with pytest.raises(ConfigError, match=r"hop_max_msgs \(1\) is smaller than groups_per_step \(2\)"):
-        parse_run_config({"run": "r1", "groups_per_step": 2, "bus": {"hop_max_msgs": 1}})
+        parse_config({"run": "r1", "groups_per_step": 2, "bus": {"hop_max_msgs": 1}})
     with pytest.raises(ConfigError, match=r"max_ack_pending \(2\) is smaller than groups_per_step \(4\)"):
-        parse_run_config({"run": "r1", "groups_per_step": 4, "bus": {"max_ack_pending": 2}})
+        parse_config({"run": "r1", "groups_per_step": 4, "bus": {"max_ack_pending": 2}})
 
 
 def test_reference_workers_without_kl_coef_are_not_in_the_chain():
     """roles.reference only counts when trainer.kl_coef > 0; `relax worker reference` is refused otherwise."""
-    off = build_topology(parse_run_config({"run": "r1", "roles": {"reference": 3}}))
-    assert [r.name for r in off.roles] == ["feeder", "rollout", "reward", "actor"]
+    off = build_topology(parse_config({"run": "r1", "roles": {"reference": 3}}))
+    assert [r.name for r in off.roles] == ["feeder", "rollout", "reward", "actor", "metrics"]
     assert off.role("reward").output == "train"
-    on = build_topology(parse_run_config({"run": "r1", "trainer": {"kl_coef": 0.1}, "roles": {"reference": 0}}))
+    on = build_topology(parse_config({"run": "r1", "trainer": {"kl_coef": 0.1}, "roles": {"reference": 0}}))
     assert on.role("reward").output == "scored" and on.role("reference").output == "train"
 
 

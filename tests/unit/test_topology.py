@@ -1,29 +1,29 @@
 import pytest
 
-from relax_bus.settings import parse_run_config
 from relax_bus.topology import SUBJECT_KEYS, build_topology
+from workers.config import parse_config
 
 
 def test_subjects_streams_and_roles():
-    t = build_topology(parse_run_config({"run": "r1"}))
+    t = build_topology(parse_config({"run": "r1"}))
     assert [t.subject(k) for k in SUBJECT_KEYS] == [f"relax.r1.{k}" for k in SUBJECT_KEYS]
     assert t.stream("prompts").retention == "workqueue" and t.stream("prompts").discard == "new"
     assert t.stream("train").retention == "limits"
     assert t.role("reward").output == "train"
-    assert [c.durable for c in t.consumers] == ["rollout", "reward", "actor"]
+    assert [c.durable for c in t.consumers] == ["rollout", "reward", "actor", "metrics"]
     with pytest.raises(KeyError, match="unknown role 'reference'"):
         t.role("reference")
 
 
 def test_reference_joins_the_chain_when_enabled():
-    t = build_topology(parse_run_config({"run": "r1", "trainer": {"kl_coef": 0.01}}))
+    t = build_topology(parse_config({"run": "r1", "trainer": {"kl_coef": 0.01}}))
     assert t.role("reward").output == "scored"
     assert t.role("reference").input == "scored" and t.role("reference").output == "train"
-    assert [c.durable for c in t.consumers] == ["rollout", "reward", "reference", "actor"]
+    assert [c.durable for c in t.consumers] == ["rollout", "reward", "reference", "actor", "metrics"]
 
 
 def test_limits_come_from_the_config():
-    t = build_topology(parse_run_config({"run": "r1", "bus": {"max_deliver": 9, "hop_max_msgs": 77, "replicas": 3}}))
+    t = build_topology(parse_config({"run": "r1", "bus": {"max_deliver": 9, "hop_max_msgs": 77, "replicas": 3}}))
     assert t.consumer("prompts").max_deliver == 9
     assert t.stream("rollouts").max_msgs == 77
     assert all(s.replicas == 3 for s in t.streams)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.models import materialize
+from workers.data.models import materialize
 
 
 @pytest.fixture(scope="module")

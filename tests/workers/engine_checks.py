@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from workers.data.tokenizer import BOS_ID, EOS_ID
 from workers.engines.base import Generated
-from workers.tokenizer import BOS_ID, EOS_ID
 
 
 def prompts_of(*texts: str) -> list[list[int]]:

@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 
 from tests.workers.test_fsdp import batch_groups, config
-from workers.distributed import DrivenTrainer, follow, world
-from workers.trainer import PolicyTrainer, init_distributed
+from workers.training.devices import init_distributed
+from workers.training.distributed import DrivenTrainer, follow, world
+from workers.training.trainer import PolicyTrainer
 
 
 def main(model_dir: str, out: str) -> None:

@@ -8,14 +8,14 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedModel
 
 from tests.workers.engine_checks import check_aligned_samples, one_direction_state, prompts_of
+from workers.data.models import load_model, load_tokenizer, materialize
+from workers.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, build_byte_tokenizer
 from workers.engines.base import Generated, SamplingSettings, make_engine
 from workers.engines.torch_engine import TorchEngine
-from workers.logprobs import response_logprobs, token_logprobs
-from workers.models import load_model, load_tokenizer, materialize
-from workers.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, build_byte_tokenizer
+from workers.training.logprobs import response_logprobs, token_logprobs
 
 pytestmark = pytest.mark.workers
 
@@ -82,6 +82,16 @@ def test_materialize_tiny_builds_a_loadable_model_dir(tmp_path: Path) -> None:
     small = load_model(materialize("tiny:64x1", tmp_path / "small"))
     assert (small.config.hidden_size, small.config.num_hidden_layers) == (64, 1)
     assert materialize(str(path), tmp_path / "unused") == path
+
+
+def test_materialize_never_installs_a_directory_without_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    # What transformers decides on a torch.distributed rank other than 0: write no config and no weights.
+    monkeypatch.setattr(PreTrainedModel, "should_save_on_this_rank", lambda self, is_main_process: False)
+    with pytest.raises(RuntimeError, match=r"saved no config\.json, model\.safetensors .*build it on rank 0"):
+        materialize("tiny:64x1", tmp_path / "m", seed=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither the target nor a staging dir is left
+    monkeypatch.undo()
+    assert (materialize("tiny:64x1", tmp_path / "m", seed=0) / "config.json").is_file()
 
 
 def test_materialize_rejects_bad_sources_clearly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -187,3 +197,16 @@ def test_generation_is_deterministic_with_a_seed(engine: TorchEngine) -> None:
     first = engine.generate(PROMPTS, 4, settings)
     assert engine.generate(PROMPTS, 4, settings) == first
     assert engine.generate(PROMPTS, 4, SamplingSettings(max_new_tokens=8, seed=43)) != first
+
+
+def test_per_prompt_seeds_make_a_prompts_samples_independent_of_its_batch(engine: TorchEngine) -> None:
+    settings = SamplingSettings(max_new_tokens=8)
+    together = engine.generate(PROMPTS, 3, settings, seeds=[10, 20, 30, 40])
+    alone = engine.generate(PROMPTS[1:2], 3, settings, seeds=[20])
+    assert [g.token_ids for g in alone[0]] == [g.token_ids for g in together[1]]
+    for a, b in zip(alone[0], together[1], strict=True):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+    assert len({tuple(g.token_ids) for g in together[1]}) > 1  # sample j has its own stream (seed + j)
+    assert engine.generate(PROMPTS, 3, settings, seeds=[10, 21, 30, 40])[1] != together[1]
+    with pytest.raises(ValueError, match="2 seeds for 4 prompts"):
+        engine.generate(PROMPTS, 3, settings, seeds=[1, 2])

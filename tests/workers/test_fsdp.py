@@ -10,23 +10,32 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax_bus.settings import RunConfig, parse_run_config
 from schemas import PromptGroup, RolloutGroup, Sample, ScoredGroup, TextPart, TrainGroup, WireTensor
-from workers.models import materialize
-from workers.trainer import PolicyTrainer
+from workers.config import PipelineConfig, parse_config
+from workers.data.models import materialize
+from workers.training.trainer import PolicyTrainer
 
 pytestmark = [pytest.mark.workers, pytest.mark.timeout(180)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def config() -> RunConfig:
-    return parse_run_config(
-        {"run": "fsdp", "groups_per_step": 2, "samples_per_group": 4, "trainer": {"lr": 1e-2, "grad_clip": 1e9}}
+def config() -> PipelineConfig:
+    return parse_config(
+        {
+            "run": "fsdp",
+            "groups_per_step": 2,
+            "samples_per_group": 4,
+            # 16 padded tokens per micro-batch: rank 0 runs 2 micro-batches, rank 1 runs 3 (rank 0 adds an empty one)
+            # The plain pass in one process too (FSDP2 always takes it): Adam's first step follows each gradient's
+            # sign, so a near-zero gradient rounded differently by the shared-prompt pass could flip a weight.
+            "trainer": {"lr": 1e-2, "grad_clip": 1e9, "micro_batch_tokens": 16, "shared_prompt": False},
+        }
     )
 
 
 def batch_groups() -> list[TrainGroup]:
-    """Two groups of four equally long responses (equal token counts per rank keep the means equal)."""
+    """Two groups of four responses; rank 0 takes group 0 (4 x 3 tokens), rank 1 group 1 (1, 2, 5 and 6 tokens):
+    unequal token counts, which must weigh exactly as in one process."""
     groups = []
     for g, rewards in enumerate(((1.0, 0.0, 0.0, 1.0), (0.0, 1.0, 0.0, 0.0))):
         prompt = PromptGroup(
@@ -37,12 +46,13 @@ def batch_groups() -> list[TrainGroup]:
             release_index=g,
             released_at_version=0,
         )
+        lengths = (3, 3, 3, 3) if g == 0 else (1, 2, 5, 6)
         samples = tuple(
             Sample(
-                token_ids=WireTensor.from_values([48 + g + k, 49, 258], "int32"),
-                logprobs=WireTensor.from_values([-5.0, -5.2, -5.5], "float32"),
+                token_ids=WireTensor.from_values([*(48 + (g + k + j) % 10 for j in range(n - 1)), 258], "int32"),
+                logprobs=WireTensor.from_values([-5.0 - 0.1 * j for j in range(n)], "float32"),
             )
-            for k in range(4)
+            for k, n in enumerate(lengths)
         )
         rollout = RolloutGroup(
             prompt=prompt,

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax_bus.settings import parse_run_config
 from schemas import PromptGroup, RolloutGroup, Sample, ScoredGroup, TextPart, TrainGroup, WireTensor
+from workers.config import parse_config
+from workers.data.tokenizer import EOS_ID
 from workers.engines.base import SamplingSettings, make_engine
 from workers.engines.sim_engine import SimEngine, call_seconds
-from workers.sim_trainer import SimulatedTrainer
-from workers.tokenizer import EOS_ID
+from workers.training.sim_trainer import SimulatedTrainer
 
 pytestmark = pytest.mark.workers
 
@@ -44,10 +44,10 @@ def test_sim_engine_is_registered_and_returns_valid_samples(tmp_path: Path) -> N
 
 
 def test_simulated_trainer_sleeps_and_reports_the_batch_rewards(tmp_path: Path) -> None:
-    from workers.models import materialize
+    from workers.data.models import materialize
 
     model_dir = materialize("tiny:64x2", tmp_path / "m", seed=0)
-    config = parse_run_config({"run": "sim", "trainer": {"simulate": {"step_s": 0.02}}})
+    config = parse_config({"run": "sim", "trainer": {"simulate": {"step_s": 0.02}}})
     trainer = SimulatedTrainer(model_dir, config)
     before = {k: v.clone() for k, v in trainer.full_state().items()}
     prompt = PromptGroup(
@@ -67,3 +67,10 @@ def test_simulated_trainer_sleeps_and_reports_the_batch_rewards(tmp_path: Path) 
     metrics = trainer.step([group])
     assert metrics["train_s"] >= 0.02 and metrics["reward_mean"] == 0.5 and metrics["response_tokens"] == 4
     assert all(torch.equal(before[k], v) for k, v in trainer.full_state().items())
+
+
+def test_sim_engine_per_prompt_seeds_are_independent_of_the_batch(tmp_path: Path) -> None:
+    engine = make_engine("sim", tmp_path)
+    settings = SamplingSettings(max_new_tokens=4)
+    together = engine.generate([[257, 51], [257, 52]], 3, settings, seeds=[5, 9])
+    assert engine.generate([[257, 52]], 3, settings, seeds=[9])[0] == together[1]

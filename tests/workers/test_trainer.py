@@ -5,13 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relax_bus.settings import parse_run_config
 from schemas import PromptGroup, RolloutGroup, Sample, ScoredGroup, TextPart, TrainGroup, WireTensor
+from workers.config import parse_config
+from workers.data.models import materialize
+from workers.data.tasks import load_task
 from workers.engines.base import SamplingSettings
 from workers.engines.torch_engine import TorchEngine
-from workers.logprobs import token_logprobs
-from workers.models import materialize
-from workers.trainer import PolicyTrainer, make_batch
+from workers.training.batch import make_batch
+from workers.training.logprobs import token_logprobs
+from workers.training.trainer import PolicyTrainer
 
 pytestmark = pytest.mark.workers
 
@@ -60,7 +62,7 @@ def test_packed_batch_lines_up_with_the_engines_logprobs(tmp_path):
 
 def test_a_step_moves_the_policy_toward_rewarded_samples(tmp_path):
     model_dir = materialize("tiny:64x2", tmp_path / "m", seed=2)
-    config = parse_run_config(
+    config = parse_config(
         {
             "run": "t",
             "groups_per_step": 2,
@@ -87,3 +89,24 @@ def test_a_step_moves_the_policy_toward_rewarded_samples(tmp_path):
     assert metrics["logprob_mismatch"] < 1e-4
     gained = (after - before)[adv > 0].mean() - (after - before)[adv < 0].mean()
     assert gained > 0, (before, after)
+
+
+def test_warmup_keeps_its_best_checked_weights_when_accuracy_collapses(tmp_path, monkeypatch):
+    model_dir = materialize("tiny:64x2", tmp_path / "m", seed=2)
+    warmup = {"max_steps": 6, "target_accuracy": 0.95, "check_every": 2, "batch_size": 8}
+    config = parse_config({"run": "t", "trainer": {"warmup": warmup}})
+    trainer = PolicyTrainer(model_dir, config)
+    checks = iter([0.3, 0.8, 0.1])  # what sampled accuracy reports at steps 2, 4 and 6
+    snapshots = []
+
+    def accuracy(items):
+        snapshots.append({k: v.clone() for k, v in trainer.model.state_dict().items()})
+        return next(checks)
+
+    monkeypatch.setattr(trainer, "sampled_accuracy", accuracy)
+    info = trainer.warmup(load_task({"type": "addition", "seed": 0}))
+    assert info == {"warmup_steps": 6.0, "warmup_accuracy": 0.8}
+    at_step_4, at_step_6 = snapshots[1], snapshots[2]
+    state = trainer.model.state_dict()
+    assert all(torch.equal(state[k], at_step_4[k]) for k in state)
+    assert not all(torch.equal(state[k], at_step_6[k]) for k in state)

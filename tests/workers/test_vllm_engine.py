@@ -25,11 +25,11 @@ import torch
 from transformers import PreTrainedModel
 
 from tests.workers.engine_checks import check_aligned_samples, one_direction_state, prompts_of
+from workers.data.models import load_model, materialize
+from workers.data.tokenizer import EOS_ID, VOCAB_SIZE
 from workers.engines.base import Generated, SamplingSettings, make_engine
 from workers.engines.vllm_engine import VllmEngine
-from workers.logprobs import response_logprobs
-from workers.models import load_model, materialize
-from workers.tokenizer import EOS_ID, VOCAB_SIZE
+from workers.training.logprobs import response_logprobs
 
 pytestmark = [pytest.mark.workers, pytest.mark.timeout(300)]
 
@@ -194,3 +194,10 @@ def test_generation_is_deterministic_with_a_seed_and_prompts_get_their_own_strea
     twins = engine.generate([PROMPTS[0], PROMPTS[0]], 4, settings)  # same prompt twice: different samples
     tokens = [g.token_ids for samples in twins for g in samples]
     assert len({tuple(t) for t in tokens}) == len(tokens)
+
+
+def test_per_prompt_seeds_make_a_prompts_samples_independent_of_its_batch(engine: VllmEngine) -> None:
+    settings = SamplingSettings(max_new_tokens=8)
+    together = engine.generate(PROMPTS, 3, settings, seeds=[10, 20, 30, 40, 50])
+    alone = engine.generate(PROMPTS[1:2], 3, settings, seeds=[20])
+    assert [g.token_ids for g in alone[0]] == [g.token_ids for g in together[1]]

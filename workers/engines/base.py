@@ -2,8 +2,12 @@
 
 An engine samples n completions per prompt and reports, for every sampled token, its log-prob under
 the full tempered distribution `log_softmax(logits / temperature)` (not renormalised after top-p), so
-that it equals `workers.logprobs.token_logprobs` on the same weights. Adding an engine is one module
+that it equals `workers.training.logprobs.token_logprobs` on the same weights. Adding an engine is one module
 plus one line in `ENGINES`; `make_engine` imports it only when asked for.
+
+Media prompts (images, audio, video) take one extension, `MediaEngine`: `generate` gets, next to each
+prompt's token ids, the processor's tensors for that prompt (`workers.omni.media.processor_inputs`), and the
+prompt ids are the processor's `input_ids`, media tokens expanded. Only the torch engine implements it so far.
 """
 
 from __future__ import annotations
@@ -21,11 +25,37 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
+MediaInputs = dict[str, "torch.Tensor"]
+"""The processor's tensors for one prompt: input_ids [1, T], attention_mask [1, T] and its media tensors
+(pixel_values, image_grid_thw, input_features, feature_attention_mask, pixel_values_videos, video_grid_thw, ...)."""
+
 ENGINES: dict[str, str] = {
     "torch": "workers.engines.torch_engine:TorchEngine",
     "vllm": "workers.engines.vllm_engine:VllmEngine",
     "sim": "workers.engines.sim_engine:SimEngine",
 }
+
+
+def check_call(prompts: list[list[int]], n: int, seeds: list[int] | None) -> None:
+    """Refuse a generate call no engine can serve (every engine checks its arguments the same way)."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if any(not p for p in prompts):
+        raise ValueError("every prompt needs at least one token (the bos)")
+    if seeds is not None and len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts: give one seed per prompt")
+
+
+def check_media(prompts: list[list[int]], media: list[MediaInputs | None]) -> None:
+    """Refuse media that does not line up with the prompts: one entry per prompt, its input_ids equal to the prompt."""
+    if len(media) != len(prompts):
+        raise ValueError(f"{len(media)} media entries for {len(prompts)} prompts: give one per prompt (None for text)")
+    for row, (prompt, inputs) in enumerate(zip(prompts, media, strict=True)):
+        if inputs is None:
+            continue
+        ids = inputs.get("input_ids")
+        if ids is None or ids.dim() != 2 or ids.shape[0] != 1 or ids[0].tolist() != prompt:
+            raise ValueError(f"prompt {row}: its media input_ids differ from the prompt ids (use the processor's ids)")
 
 
 def log_generated(prompts: list[list[int]], n: int, tokens: int, started: float, version: int) -> None:
@@ -77,8 +107,14 @@ class Engine(Protocol):
     max_context: int | None
     """Most tokens (prompt plus response) one sequence may hold; None when the model sets no bound."""
 
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSettings) -> list[list[Generated]]:
-        """Sample n completions for each prompt (token ids, bos included): one inner list per prompt."""
+    def generate(
+        self, prompts: list[list[int]], n: int, sampling: SamplingSettings, seeds: list[int] | None = None
+    ) -> list[list[Generated]]:
+        """Sample n completions for each prompt (token ids, bos included): one inner list per prompt.
+
+        With `seeds` (one per prompt), sample j of prompt i is drawn from the random stream `seeds[i] + j`
+        alone: it depends on that seed and the weights, not on the other prompts of the call.
+        """
         ...
 
     def load_state_dict(self, state: dict[str, torch.Tensor], version: int) -> None:
@@ -87,6 +123,25 @@ class Engine(Protocol):
 
     def tokens_generated(self) -> int:
         """Running count of tokens sampled since the engine started."""
+        ...
+
+
+class MediaEngine(Engine, Protocol):
+    """An engine that also samples after prompts carrying media (images, audio, video)."""
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling: SamplingSettings,
+        seeds: list[int] | None = None,
+        media: list[MediaInputs | None] | None = None,
+    ) -> list[list[Generated]]:
+        """As `Engine.generate`; `media[i]` holds the processor tensors of prompt i (None for a text prompt).
+
+        Media special tokens are never sampled, and each reported log-prob is under the tempered distribution
+        with them masked to -inf (what `workers.omni.logprobs.media_token_logprobs` computes teacher-forced).
+        """
         ...
 
 

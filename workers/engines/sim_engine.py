@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from workers.engines.base import Generated, SamplingSettings
-from workers.tokenizer import EOS_ID
+from workers.data.tokenizer import EOS_ID
+from workers.engines.base import Generated, SamplingSettings, check_call
 
 if TYPE_CHECKING:
     import torch
@@ -62,14 +62,18 @@ class SimEngine:
         self.loads = 0
         self._tokens = 0
 
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSettings) -> list[list[Generated]]:
-        """Sleep for the call's drawn time; return n digit strings per prompt with uniform log-probs."""
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if any(not p for p in prompts):
-            raise ValueError("every prompt needs at least one token (the bos)")
+    def generate(
+        self, prompts: list[list[int]], n: int, sampling: SamplingSettings, seeds: list[int] | None = None
+    ) -> list[list[Generated]]:
+        """Sleep for the call's drawn time; return n digit strings per prompt with uniform log-probs.
+
+        With `seeds`, sample j of prompt i comes from `random.Random(seeds[i] + j)`; the timing never does.
+        """
+        check_call(prompts, n, seeds)
         time.sleep(call_seconds(self.rng, len(prompts), self.group_median_s, self.group_sigma))
-        out = [[self._sample(sampling.max_new_tokens) for _ in range(n)] for _ in prompts]
+        rngs = [random.Random(s + j) for s in seeds for j in range(n)] if seeds is not None else None
+        flat = [self._sample(sampling.max_new_tokens, rngs[k] if rngs else self.rng) for k in range(len(prompts) * n)]
+        out = [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
         self._tokens += sum(len(g.token_ids) for samples in out for g in samples)
         return out
 
@@ -85,11 +89,11 @@ class SimEngine:
         """Running count of tokens returned since the engine started (eos included)."""
         return self._tokens
 
-    def _sample(self, max_new_tokens: int) -> Generated:
-        digits = self.rng.randint(1, 2)
+    def _sample(self, max_new_tokens: int, rng: random.Random) -> Generated:
+        digits = rng.randint(1, 2)
         if digits + 1 > max_new_tokens:  # no room for the eos: a length stop
-            tokens = [self.rng.choice(DIGITS) for _ in range(max_new_tokens)]
+            tokens = [rng.choice(DIGITS) for _ in range(max_new_tokens)]
             return Generated(tokens, [DIGIT_LOGPROB] * len(tokens), bytes(tokens).decode(), "length")
-        tokens = [self.rng.choice(DIGITS) for _ in range(digits)]
+        tokens = [rng.choice(DIGITS) for _ in range(digits)]
         text = bytes(tokens).decode()
         return Generated([*tokens, EOS_ID], [DIGIT_LOGPROB] * (digits + 1), text, "stop")

@@ -4,20 +4,29 @@ All prompts x n samples are decoded in one loop. Prompts are left padded (positi
 attention mask) and prefilled once each; the cache and last logits are then repeated n times. Each
 step samples from the tempered distribution restricted to the nucleus `top_p`, but reports the
 sampled token's log-prob under the full tempered distribution `log_softmax(logits / temperature)`,
-which is what `workers.logprobs.token_logprobs` computes teacher-forced. A row stops at eos (kept in
+which is what `workers.training.logprobs.token_logprobs` computes teacher-forced. A row stops at eos (kept in
 its tokens) or at `max_new_tokens`; finished rows ride along until every row is done.
+
+A multimodal directory (one with a processor config, e.g. `tiny-omni`) loads through `workers.omni.loading`
+and also serves media prompts (`MediaEngine`): each is prefilled on its own with its processor tensors and
+3-D rotary positions, then decoded like text. For such a model the media special tokens are masked to -inf
+before sampling, text prompts included, and the log-probs are under that masked distribution (what
+`workers.omni.logprobs.media_token_logprobs` computes teacher-forced). A text model masks nothing.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from relax_bus.log import get_logger
-from workers.engines.base import Generated, SamplingSettings, log_generated
-from workers.models import load_model, load_tokenizer
+from workers.data.models import load_model, load_tokenizer
+from workers.engines.base import Generated, MediaInputs, SamplingSettings, check_call, check_media, log_generated
+from workers.omni.loading import is_multimodal, load_omni
+from workers.omni.logprobs import mask_tokens, media_tensors, media_token_ids, rope_positions
 
 log = get_logger(__name__)
 
@@ -29,10 +38,21 @@ class TorchEngine:
 
     def __init__(self, model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         self.device = torch.device(device)
-        self.model = load_model(model_dir, dtype=dtype).to(self.device)
-        self.tokenizer = load_tokenizer(model_dir)
+        self.processor: Any = None
+        self.suppressed: torch.Tensor | None = None
+        if is_multimodal(model_dir):
+            model, self.processor = load_omni(model_dir, dtype=dtype)
+            self.model = model.to(self.device)
+            self.tokenizer = self.processor.tokenizer
+            ids = media_token_ids(self.model.config)
+            self.suppressed = torch.tensor(ids, dtype=torch.long, device=self.device) if ids else None
+            text_config = self.model.config.get_text_config()
+        else:
+            self.model = load_model(model_dir, dtype=dtype).to(self.device)
+            self.tokenizer = load_tokenizer(model_dir)
+            text_config = self.model.config
         self.version = 0
-        self.max_context: int | None = getattr(self.model.config, "max_position_embeddings", None)
+        self.max_context: int | None = getattr(text_config, "max_position_embeddings", None)
         self._tokens = 0
         eos = self.model.generation_config.eos_token_id
         if eos is None:
@@ -44,20 +64,39 @@ class TorchEngine:
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else eos_ids[0]
 
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSettings) -> list[list[Generated]]:
-        """Sample n completions for each prompt (token ids, bos included): one inner list per prompt."""
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if any(not p for p in prompts):
-            raise ValueError("every prompt needs at least one token (the bos)")
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling: SamplingSettings,
+        seeds: list[int] | None = None,
+        media: list[MediaInputs | None] | None = None,
+    ) -> list[list[Generated]]:
+        """Sample n completions for each prompt (token ids, bos included): one inner list per prompt.
+
+        With `seeds`, row j of prompt i draws from its own generator seeded `seeds[i] + j`; otherwise one
+        generator (seeded by `sampling.seed`, or the global one) serves the whole batch. `media[i]` holds
+        the processor tensors of prompt i (None for text); a call with media needs a multimodal model.
+        """
+        check_call(prompts, n, seeds)
         if not prompts:
             return []
+        if media is not None:
+            check_media(prompts, media)
+            if self.processor is None:
+                raise ValueError("media prompts need a multimodal model (a directory with a processor config)")
         started = time.perf_counter()
-        generator = None
-        if sampling.seed is not None:
+        generator: torch.Generator | list[torch.Generator] | None = None
+        if seeds is not None:
+            generator = [torch.Generator(device=self.device).manual_seed(s + j) for s in seeds for j in range(n)]
+        elif sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         with torch.inference_mode():
-            tokens, logps, lengths = self._sample(prompts, n, sampling, generator)
+            if self.processor is None:
+                tokens, logps, lengths = self._sample(prompts, n, sampling, generator)
+            else:  # a multimodal model: 3-D positions, media tokens masked, even for text prompts
+                each = media if media is not None else [None] * len(prompts)
+                tokens, logps, lengths = self._sample_each(prompts, each, n, sampling, generator)
         eos = set(self.eos_ids.tolist())
         out: list[list[Generated]] = [[] for _ in prompts]
         for row, (toks, lps, length) in enumerate(zip(tokens.tolist(), logps.tolist(), lengths.tolist(), strict=True)):
@@ -95,7 +134,11 @@ class TorchEngine:
         return self._tokens
 
     def _sample(
-        self, prompts: list[list[int]], n: int, sampling: SamplingSettings, generator: torch.Generator | None
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling: SamplingSettings,
+        generator: torch.Generator | list[torch.Generator] | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Decode every prompt n times: tokens [B, S] long, log-probs [B, S] float32, lengths [B], B = prompts*n."""
         width = max(len(p) for p in prompts)
@@ -109,6 +152,24 @@ class TorchEngine:
         cache = out.past_key_values
         logits = out.logits[:, -1].float()  # [P, V]
         next_pos = positions[:, -1] + 1  # [P]
+        return self._decode(cache, logits, mask, next_pos, n, sampling, generator)
+
+    def _decode(
+        self,
+        cache: Any,
+        logits: torch.Tensor,
+        mask: torch.Tensor,
+        next_pos: torch.Tensor,
+        n: int,
+        sampling: SamplingSettings,
+        generator: torch.Generator | list[torch.Generator] | None,
+        mrope: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample after prefilled prompts (cache, last logits [P, V], mask [P, W], next position [P]), n rows each.
+
+        `mrope`: feed the 3-D rotary position [3, B, 1] (all three equal) instead of the 1-D one [B, 1].
+        """
+        logits = self._masked(logits)
         if n > 1:
             cache.batch_repeat_interleave(n)
             logits, mask, next_pos = (t.repeat_interleave(n, dim=0) for t in (logits, mask, next_pos))
@@ -127,26 +188,73 @@ class TorchEngine:
             if bool(done.all()) or step == steps - 1:
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)  # [B, W + step + 1]
+            position = next_pos.view(1, -1, 1).expand(3, -1, 1) if mrope else next_pos.unsqueeze(-1)
             out = self.model(
                 input_ids=tok.unsqueeze(-1),
                 attention_mask=mask,
-                position_ids=next_pos.unsqueeze(-1),
+                position_ids=position,
                 past_key_values=cache,
                 use_cache=True,
             )
             cache = out.past_key_values
-            logits = out.logits[:, -1].float()  # [B, V]
+            logits = self._masked(out.logits[:, -1].float())  # [B, V]
             next_pos = next_pos + 1
         return tokens, logps, lengths
 
+    def _masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] with the media special tokens at -inf (unchanged for a text model)."""
+        return mask_tokens(logits, self.suppressed)
 
-def _draw(logp: torch.Tensor, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
-    """Sample one token per row from exp(logp) [B, V], restricted to the smallest nucleus of mass >= top_p."""
+    def _sample_each(
+        self,
+        prompts: list[list[int]],
+        media: list[MediaInputs | None],
+        n: int,
+        sampling: SamplingSettings,
+        generator: torch.Generator | list[torch.Generator] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Prefill and decode each prompt on its own with its media: tokens [B, S], log-probs [B, S], lengths [B]."""
+        steps = sampling.max_new_tokens
+        rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for i, (prompt, inputs) in enumerate(zip(prompts, media, strict=True)):
+            own = generator[i * n : (i + 1) * n] if isinstance(generator, list) else generator
+            if inputs is None:
+                inputs = {"input_ids": torch.tensor([prompt], dtype=torch.long)}
+            inputs = {k: v.to(self.device) for k, v in inputs.items()}
+            ids = inputs["input_ids"]  # [1, W]
+            mask = inputs.get("attention_mask", torch.ones_like(ids))  # [1, W]
+            extra = media_tensors(inputs)
+            positions = rope_positions(self.model, ids, mask, extra)  # [3, 1, W]
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **extra)
+            next_pos = positions[:, :, -1].max(0).values + 1  # [1]
+            toks, lps, lens = self._decode(
+                out.past_key_values, out.logits[:, -1].float(), mask, next_pos, n, sampling, own, mrope=True
+            )
+            width = toks.shape[1]
+            if width < steps:  # a prompt whose rows all stopped early: pad to the common width
+                toks = torch.nn.functional.pad(toks, (0, steps - width), value=self.pad_id)
+                lps = torch.nn.functional.pad(lps, (0, steps - width))
+            rows.append((toks, lps, lens))
+        return tuple(torch.cat(parts) for parts in zip(*rows, strict=True))  # type: ignore[return-value]
+
+
+def _draw(logp: torch.Tensor, top_p: float, generator: torch.Generator | list[torch.Generator] | None) -> torch.Tensor:
+    """Sample one token per row from exp(logp) [B, V], restricted to the smallest nucleus of mass >= top_p.
+
+    `generator` is one generator for the batch, one per row (each row's draw independent of the others), or None.
+    """
     probs = logp.exp()  # [B, V]
     if top_p >= 1.0:
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        return _multinomial(probs, generator).squeeze(-1)
     sorted_probs, order = probs.sort(dim=-1, descending=True)  # [B, V]
     outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # mass before a token already reaches top_p
     sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-    pick = torch.multinomial(sorted_probs, 1, generator=generator)  # [B, 1]
+    pick = _multinomial(sorted_probs, generator)  # [B, 1]
     return order.gather(-1, pick).squeeze(-1)
+
+
+def _multinomial(weights: torch.Tensor, generator: torch.Generator | list[torch.Generator] | None) -> torch.Tensor:
+    """One draw per row of `weights` [B, V] -> [B, 1]."""
+    if not isinstance(generator, list):
+        return torch.multinomial(weights, 1, generator=generator)
+    return torch.cat([torch.multinomial(weights[r : r + 1], 1, generator=g) for r, g in enumerate(generator)])

@@ -3,7 +3,7 @@
 One `llm.generate` call per batch: every prompt goes in as token ids with its own SamplingParams
 (n samples, stop at eos, `logprobs=0` so each sampled token comes back with its log-prob). The engine
 runs with `logprobs_mode="processed_logprobs"`, so that log-prob is taken after temperature:
-`log_softmax(logits / temperature)[token]`, the quantity `workers.logprobs` computes teacher-forced
+`log_softmax(logits / temperature)[token]`, the quantity `workers.training.logprobs` computes teacher-forced
 (agreement ~1e-6 in float32). One deviation: with `top_p < 1` vLLM renormalises over the nucleus,
 so it reports `log p_tau(x) - log(nucleus mass)`, higher than ours by -log(mass) per token (about
 -log(top_p)); the importance-sampling correction absorbs it, and the engine logs it once.
@@ -28,8 +28,8 @@ import torch
 from safetensors import safe_open
 
 from relax_bus.log import get_logger
-from workers.engines.base import Generated, SamplingSettings, log_generated
-from workers.models import load_tokenizer
+from workers.data.models import load_tokenizer
+from workers.engines.base import Generated, SamplingSettings, check_call, log_generated
 
 log = get_logger(__name__)
 
@@ -48,7 +48,17 @@ class VllmEngine:
 
     name = "vllm"
 
-    def __init__(self, model_dir: Path, device: str = "cpu", max_model_len: int = 256, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        device: str = "cpu",
+        max_model_len: int = 256,
+        seed: int = 0,
+        dtype: str = "auto",
+        gpu_memory_utilization: float = 0.85,
+        enforce_eager: bool = True,
+        tensor_parallel_size: int = 1,
+    ) -> None:
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise ValueError(f"the vllm engine needs a local model directory with config.json, got {model_dir}")
@@ -65,6 +75,10 @@ class VllmEngine:
             raise ValueError(f"device {device!r} does not match this vLLM build ({current_platform.device_type})")
         if current_platform.is_cpu():
             _check_cpu_head_size(config, model_dir)
+            if tensor_parallel_size != 1:
+                raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs GPUs; the CPU build runs 1")
+        if dtype == "auto":
+            dtype = "float32" if current_platform.is_cpu() else "bfloat16"
         self.tokenizer = load_tokenizer(model_dir)
         eos = config.get("eos_token_id", self.tokenizer.eos_token_id)
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
@@ -83,9 +97,11 @@ class VllmEngine:
         try:
             self.llm = vllm.LLM(
                 model=str(model_dir),
-                dtype="float32",
-                enforce_eager=True,
+                dtype=dtype,
+                enforce_eager=enforce_eager,
                 max_model_len=self.max_context,
+                tensor_parallel_size=tensor_parallel_size,
+                **({} if current_platform.is_cpu() else {"gpu_memory_utilization": gpu_memory_utilization}),
                 seed=seed,
                 logprobs_mode="processed_logprobs",
             )
@@ -97,12 +113,14 @@ class VllmEngine:
             "engine_started", engine=self.name, model=str(model_dir), seconds=round(time.perf_counter() - started, 2)
         )
 
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSettings) -> list[list[Generated]]:
-        """Sample n completions for each prompt (token ids, bos included): one inner list per prompt."""
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if any(not p for p in prompts):
-            raise ValueError("every prompt needs at least one token (the bos)")
+    def generate(
+        self, prompts: list[list[int]], n: int, sampling: SamplingSettings, seeds: list[int] | None = None
+    ) -> list[list[Generated]]:
+        """Sample n completions for each prompt (token ids, bos included): one inner list per prompt.
+
+        A prompt's seed is vLLM's per-request seed, which draws sample j from the stream `seed + j`.
+        """
+        check_call(prompts, n, seeds)
         if not prompts:
             return []
         if sampling.top_p < 1 and not self._warned_top_p:
@@ -121,7 +139,7 @@ class VllmEngine:
                 seed=seed,
                 detokenize=False,
             )
-            for seed in _prompt_seeds(sampling.seed, len(prompts), n)
+            for seed in (seeds if seeds is not None else _prompt_seeds(sampling.seed, len(prompts), n))
         ]
         started = time.perf_counter()
         with self._lock:

@@ -1,0 +1,138 @@
+"""The trainer's critical path: per step, the time it spends in the bus against the time its weights take to publish.
+
+    python benchmarks/critical_path.py [--configs demo,smollm2,smollm2-shm] [--steps 20] [--smollm2-steps 8]
+                                       [--work-dir runs/bench-critical-path] [--out FILE]
+
+Each config runs once with the real launcher (`relax run`'s `launch`: an embedded nats-server, every role a
+process; the supervised warm-up off, since only step timing is read). `smollm2` needs the model directory of
+`make smollm2` (models/SmolLM2-135M-Instruct); a name ending `-shm` runs that example with
+`weights: {type: shm}`. From the actor's Metric of every step after the first two:
+
+- step_s: time between two step records (the trainer's whole period);
+- bus_s: what the step spent in the bus on its critical path: admit_s (decode, dedupe, staleness judging)
+  + ack_s + weight_sync_s (waiting for the previous version's publish if it is still running, plus the
+  snapshot of the new weights);
+- weight_publish_s: how long the previous version's publish took in the background (transport write,
+  policy.version compare-and-set, announcement).
+
+Measured: bus_frac = bus_s / step_s. Derived, not measured: the step as it was when the publish ran on the
+critical path (before it moved to the background) is step_s - weight_sync_s + weight_publish_s, and its bus
+fraction (admit_s + ack_s + weight_publish_s) over that; both assume the same work in every other phase.
+Checkpoints (every trainer.checkpoint_every steps) stay on the critical path and are inside step_s.
+Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from relax_bus.server import EmbeddedServer
+from workers.config import PipelineConfig, load_config
+from workers.launch.launcher import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {"demo": ROOT / "examples" / "demo.yaml", "smollm2": ROOT / "examples" / "smollm2.yaml"}
+SHM = "-shm"
+"""A config name ending so runs with the shared-memory weight transport (`smollm2-shm`)."""
+SKIP = 2  # the first steps pay start-up costs (engine warm caches, first weight fetches)
+
+
+def configure(name: str, steps: int) -> PipelineConfig:
+    """The example config `name` (`<example>` or `<example>-shm`), `steps` GRPO steps, no warm-up, its own run."""
+    example = name.removesuffix(SHM)
+    overrides: dict[str, Any] = {
+        "run": f"bench-cp-{name}",
+        "trainer.steps": steps,
+        "trainer.warmup.max_steps": 0,
+        "trainer.checkpoint_every": 10,
+    }
+    if example == "demo":
+        overrides["trainer.warmup.noise_steps"] = 0
+    if name.endswith(SHM):
+        overrides["weights"] = {"type": "shm"}
+    return load_config(CONFIGS[example], overrides)
+
+
+async def run_one(config: PipelineConfig, run_dir: Path) -> list[dict[str, Any]]:
+    """One run with the real launcher; the actor's step metrics."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)  # noqa: ASYNC240 - a benchmark, nothing else runs meanwhile
+    with EmbeddedServer(store_dir=run_dir / "nats") as server, open(run_dir / "progress.log", "w") as out:  # noqa: ASYNC230
+        await launch(config, run_dir, server.url, out)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def summarise(name: str, metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    rows = [m for m in metrics if m["step"] > SKIP]
+    if not rows:
+        raise SystemExit(f"{name}: no steps after the first {SKIP}; raise --steps")
+    mean = {k: statistics.fmean(m.get(k, 0.0) for m in rows) for k in ("step_s", "admit_s", "ack_s", "weight_sync_s")}
+    publish = statistics.fmean(m.get("weight_publish_s", 0.0) for m in rows)
+    bus = mean["admit_s"] + mean["ack_s"] + mean["weight_sync_s"]
+    before_step = mean["step_s"] - mean["weight_sync_s"] + publish
+    before_bus = mean["admit_s"] + mean["ack_s"] + publish
+    return {
+        "config": name,
+        "steps": len(rows),
+        "step_s": mean["step_s"],
+        "admit_s": mean["admit_s"],
+        "ack_s": mean["ack_s"],
+        "weight_sync_s": mean["weight_sync_s"],
+        "weight_publish_s": publish,
+        "bus_s": bus,
+        "bus_frac": bus / mean["step_s"],
+        "derived_step_s_publish_on_path": before_step,
+        "derived_bus_frac_publish_on_path": before_bus / before_step,
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'config':<9} {'steps':>5} {'step s':>8} {'admit s':>8} {'ack s':>7} {'wait s':>7} {'publish s':>9} "
+        f"{'bus %':>6} {'step s (publish on path)':>24} {'bus % (publish on path)':>23}"
+    )
+    out = [head, "-" * len(head)]
+    for r in rows:
+        out.append(
+            f"{r['config']:<9} {r['steps']:>5} {r['step_s']:>8.3f} {r['admit_s']:>8.4f} {r['ack_s']:>7.4f} "
+            f"{r['weight_sync_s']:>7.4f} {r['weight_publish_s']:>9.4f} {100 * r['bus_frac']:>5.1f}% "
+            f"{r['derived_step_s_publish_on_path']:>24.3f} {100 * r['derived_bus_frac_publish_on_path']:>22.1f}%"
+        )
+    return "\n".join(out)
+
+
+async def main() -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--configs", default="demo,smollm2,smollm2-shm")
+    parser.add_argument("--steps", type=int, default=20, help="GRPO steps of the demo run")
+    parser.add_argument("--smollm2-steps", type=int, default=8)
+    parser.add_argument("--work-dir", default="runs/bench-critical-path")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "critical_path.json"))
+    args = parser.parse_args()
+    rows = []
+    for name in args.configs.split(","):
+        steps = args.smollm2_steps if name.startswith("smollm2") else args.steps
+        run_dir = Path(args.work_dir) / name
+        started = time.perf_counter()
+        metrics = await run_one(configure(name, steps), run_dir)
+        rows.append({**summarise(name, metrics), "wall_s": time.perf_counter() - started})
+        print(f"{name}: {len(metrics)} steps in {rows[-1]['wall_s']:.0f}s", flush=True)
+    print(table(rows))
+    return {"measured": time.strftime("%Y-%m-%d %H:%M"), "command": "python benchmarks/critical_path.py", "rows": rows}
+
+
+if __name__ == "__main__":
+    cli = argparse.ArgumentParser(add_help=False)
+    cli.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "critical_path.json"))
+    known, _ = cli.parse_known_args()
+    result = asyncio.run(main())
+    Path(known.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {known.out}")

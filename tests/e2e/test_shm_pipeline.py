@@ -1,0 +1,38 @@
+"""A whole run whose weights travel through shared memory: every role a process on this host, the
+reference role reads v0 and the rollout workers the newer versions from the trainer's segments."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from tests.e2e.cluster import Cluster, small_config
+from workers.config import parse_config
+from workers.weights import SharedMemoryTransport
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+
+
+async def test_a_run_with_shm_weights_trains_every_group_once_and_prunes_its_segments(nats_server, tmp_path):
+    config = parse_config(
+        small_config(
+            f"e2e{uuid.uuid4().hex[:8]}",
+            weights={"type": "shm"},
+            trainer={"steps": 4, "kl_coef": 0.1},
+            bus={"weights_keep": 2},
+        )
+    )
+    segments = SharedMemoryTransport(config.run, config.bus.weights_keep)
+    cluster = await Cluster.start(nats_server.url, config, tmp_path)
+    try:
+        await cluster.wait_done()
+        acc = await cluster.accounting()
+        acc.check_exactly_once(config.trainer.steps, config.groups_per_step)
+        assert max(g.policy_version for g in acc.train_groups) > 0  # rollouts loaded published versions
+        names = sorted(p.name for p in segments.dir.iterdir())
+        assert names == ["v0.safetensors", "v3.safetensors", "v4.safetensors"], names
+    finally:
+        await cluster.stop()
+        segments.remove_run()
+    assert not segments.dir.exists()

@@ -1,0 +1,48 @@
+"""Finding 6, the reward side: a rollout worker writes the message the reward role scores, answer included,
+so a compromised one could rewrite the answer to match its completions. The reward role recomputes the
+release from the run's task and refuses a group whose prompt or answer is not the one released."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from relax_bus.worker import WorkerOptions
+from schemas import TextPart
+from tests import factories as f
+from tests.bus.test_publish import read_all
+from workers.config import task_seed, task_spec
+from workers.data.tasks import load_task
+from workers.roles.feeder import group_for
+from workers.roles.reward import TrustedTask, reward_worker
+
+pytestmark = pytest.mark.bus
+
+
+async def test_a_rewritten_answer_or_prompt_is_dead_lettered_and_the_honest_group_scored(bus):
+    cfg = bus.config
+    items, seed = load_task(task_spec(cfg.task)), task_seed(cfg.task)
+    honest = [group_for(bus.run, 2, items, i, 0, seed) for i in range(3)]
+    forged = [
+        honest[1].model_copy(update={"answer": "0"}),  # the answer the completions happen to give
+        honest[2].model_copy(update={"parts": (TextPart(text="0+0="),)}),  # an easier question
+    ]
+    for prompt in (honest[0], *forged):
+        await bus.publish("rollouts", f.rollout(prompt))
+    worker = reward_worker(bus, WorkerOptions(fetch_timeout_s=0.2), task=TrustedTask(items, seed))
+    counters = await asyncio.wait_for(worker.run(until_empty=True), 60)
+    scored = await read_all(bus, bus.topology.role("reward").output)
+    letters = await read_all(bus, "dlq")
+    assert [s.scored.rollout.prompt.group_id if hasattr(s, "scored") else s.rollout.prompt.group_id
+            for s in scored] == [honest[0].group_id]  # fmt: skip
+    assert counters.dead_lettered == 2 and len(letters) == 2
+    assert "answer differ" in letters[0].reason and "prompt differ" in letters[1].reason, [x.reason for x in letters]
+
+
+async def test_the_trusted_answer_is_the_one_scored(bus):
+    cfg = bus.config
+    items, seed = load_task(task_spec(cfg.task)), task_seed(cfg.task)
+    task = TrustedTask(items, seed)
+    prompt = group_for(bus.run, 2, items, 5, 0, seed)
+    assert task.answer(prompt) == items[prompt.index].answer == prompt.answer

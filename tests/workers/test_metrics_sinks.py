@@ -1,0 +1,213 @@
+"""The metrics role's sinks: each holds every step once across a restart, read back with the sink's own
+reader (TensorBoard's event loader, W&B's record format); Prometheus scraped over 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import TENSORS, EventAccumulator
+from tensorboard.util.tensor_util import make_ndarray
+from wandb.proto.wandb_internal_pb2 import Record
+
+from relax_bus.errors import ConfigError
+from schemas import Metric, RunEvent
+from workers.config import parse_config
+from workers.metrics.prometheus import PrometheusSink
+from workers.metrics.sinks import JsonlSink, TensorBoardSink, WandbSink, open_sinks
+
+pytestmark = pytest.mark.unit
+RUN = "sinks"
+
+
+def point(step: int) -> Metric:
+    return Metric(run=RUN, step=step, values={"reward_mean": step / 10, "version": float(step)})
+
+
+def feed(sink, steps) -> int:
+    written = sink.write(point(s) for s in steps)
+    sink.flush()
+    return written
+
+
+def test_jsonl_writes_each_step_once_across_a_restart(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    first = JsonlSink(path)
+    assert feed(first, range(1, 6)) == 5
+    first.close()
+    again = JsonlSink(path)  # a restarted role: the redelivered 3..5 are skipped
+    assert again.last_step == 5
+    assert feed(again, range(3, 9)) == 3
+    again.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, 9))
+    assert lines[0] == {"step": 1, "at": lines[0]["at"], "reward_mean": 0.1, "version": 1.0}
+
+
+def test_jsonl_cuts_a_torn_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "at": 0}\n{"step": 2, "at"')  # killed mid-line
+    sink = JsonlSink(path)
+    assert sink.last_step == 1
+    feed(sink, [2])
+    sink.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+def tensorboard_series(logdir: Path, tag: str) -> list[tuple[int, float]]:
+    acc = EventAccumulator(str(logdir), size_guidance={TENSORS: 0})
+    acc.Reload()
+    return [(e.step, float(make_ndarray(e.tensor_proto))) for e in acc.Tensors(tag)]
+
+
+def test_tensorboard_writes_each_step_once_across_a_restart(tmp_path):
+    logdir = tmp_path / "tensorboard"
+    first = TensorBoardSink(logdir)
+    feed(first, range(1, 6))
+    first.close()
+    again = TensorBoardSink(logdir)
+    assert again.last_step == 5
+    feed(again, range(3, 9))
+    again.close()
+    assert len(list(logdir.glob("events.out.tfevents.*"))) == 2  # one file per process, read as one run
+    series = tensorboard_series(logdir, "reward_mean")
+    assert [s for s, _ in series] == list(range(1, 9))
+    assert series[6][1] == pytest.approx(0.7)
+
+
+def wandb_records(path: Path) -> list[Record]:
+    """The records of a W&B run file: a 7-byte header, then 32 KiB blocks of chunks (crc32c, length, type)."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:8]
+    pos, block, pending, out = 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # too little left in the block for a chunk header: padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            record = Record()
+            record.ParseFromString(pending)
+            out.append(record)
+            pending = b""
+    return out
+
+
+def wandb_points(wandb_dir: Path) -> list[tuple[int, float]]:
+    points = []
+    for path in sorted(wandb_dir.glob("offline-run-*/run-*.wandb")):
+        for r in wandb_records(path):
+            if r.WhichOneof("record_type") == "history":
+                values = {"/".join(i.nested_key) or i.key: i.value_json for i in r.history.item}
+                points.append((int(r.history.step.num), float(values["reward_mean"])))
+    return points
+
+
+def wandb_points_when(wandb_dir: Path, count: int, timeout_s: float = 30.0) -> list[tuple[int, float]]:
+    """`wandb_points` once `count` are there: wandb's service process writes the file on its own time, and
+    on a loaded machine it may still be writing when `finish()` has returned."""
+    deadline = time.monotonic() + timeout_s
+    while len(points := wandb_points(wandb_dir)) < count and time.monotonic() < deadline:
+        time.sleep(0.2)  # poll; the caller asserts on what came
+    return points
+
+
+def test_wandb_offline_run_holds_each_step_once_across_a_restart(tmp_path):
+    first = WandbSink(tmp_path, RUN, "offline", "relax", None)
+    feed(first, range(1, 6))
+    first.close()
+    again = WandbSink(tmp_path, RUN, "offline", "relax", None)
+    assert again.last_step == 5
+    feed(again, range(3, 9))
+    again.close()
+    points = wandb_points_when(tmp_path / "wandb", 8)
+    assert [s for s, _ in points] == list(range(1, 9)), points
+    assert points[-1][1] == pytest.approx(0.8)
+
+
+def test_a_wandb_sink_never_takes_over_a_run_still_open_in_the_process(tmp_path):
+    """wandb.init's default hands back an unfinished run of the same process: each sink must get its own."""
+    left_open = WandbSink(tmp_path / "a", "open", "offline", "relax", None)
+    mine = WandbSink(tmp_path / "b", RUN, "offline", "relax", None)
+    try:
+        feed(mine, range(1, 4))
+    finally:
+        mine.close()
+        left_open.close()
+    assert [s for s, _ in wandb_points_when(tmp_path / "b" / "wandb", 3)] == [1, 2, 3]
+    assert wandb_points(tmp_path / "a" / "wandb") == []
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        return reply.read().decode()
+
+
+def sample(text: str, metric: str, run: str = RUN, **labels: str) -> float | None:
+    """The value of `metric` with these labels (and `run`) in a Prometheus text exposition; None if absent."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted({"run": run, **labels}.items()))
+    found = re.search(rf"^{metric}\{{{re.escape(want)}\}} (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else None
+
+
+def sample_of(url: str, metric: str, run: str, **labels: str) -> float | None:
+    """Scrape `url` once and read one sample of it."""
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return sample(reply.read().decode(), metric, run, **labels)
+
+
+def test_prometheus_endpoint_shows_gauges_that_move():
+    sink = PrometheusSink(RUN, "127.0.0.1", 0)
+    try:
+        sink.observe(point(1))
+        first = scrape(sink.port)
+        assert sample(first, "relax_step") == 1.0
+        assert sample(first, "relax_reward_mean") == pytest.approx(0.1)
+        sink.observe(point(2))
+        sink.observe(RunEvent(run=RUN, event="group_dropped", fields={"lag": 3}))
+        sink.observe(RunEvent(run=RUN, event="group_requeued"))
+        sink.set_server_state({"prompts": 7}, {"rollout": 2}, dead_letters=1)
+        second = scrape(sink.port)
+        assert sample(second, "relax_step") == 2.0
+        assert sample(second, "relax_policy_version") == 2.0
+        assert sample(second, "relax_step_value", name="reward_mean") == pytest.approx(0.2)
+        assert sample(second, "relax_groups_dropped_total") == 1.0
+        assert sample(second, "relax_groups_requeued_total") == 1.0
+        assert sample(second, "relax_events_total", event="group_dropped") == 1.0
+        assert sample(second, "relax_queue_depth", hop="prompts") == 7.0
+        assert sample(second, "relax_workers_live", role="rollout") == 2.0
+        assert sample(second, "relax_dead_letters") == 1.0
+        # A step of 3 groups one version old and 1 group four versions old, then 2 groups at lag 0.
+        sink.observe(Metric(run=RUN, step=3, values={"lag_1": 3.0, "lag_4": 1.0}))
+        sink.observe(Metric(run=RUN, step=4, values={"lag_0": 2.0}))
+        third = scrape(sink.port)
+        assert sample(third, "relax_group_lag_count") == 6.0
+        assert sample(third, "relax_group_lag_sum") == 7.0
+        assert sample(third, "relax_group_lag_bucket", le="0.0") == 2.0
+        assert sample(third, "relax_group_lag_bucket", le="1.0") == 5.0
+        assert sample(third, "relax_group_lag_bucket", le="3.0") == 5.0
+        assert sample(third, "relax_group_lag_bucket", le="4.0") == 6.0
+    finally:
+        sink.close()
+
+
+def test_the_config_picks_the_sinks(tmp_path):
+    default = parse_config({"run": RUN}).metrics
+    sinks = open_sinks(default, tmp_path / "a", "config-sinks")  # not RUN: one W&B run id per process here
+    try:
+        assert [s.name for s in sinks] == ["jsonl", "tensorboard", "wandb"]
+    finally:
+        for sink in sinks:
+            sink.close()
+    assert default.prometheus_port == "auto" and default.wandb.enabled and default.wandb.mode == "offline"
+    assert parse_config({"run": RUN, "metrics": {"prometheus_port": None}}).metrics.prometheus_port is None
+    with pytest.raises(ConfigError, match="prometheus_port"):
+        parse_config({"run": RUN, "metrics": {"prometheus_port": 0}})
+    only_jsonl = parse_config({"run": RUN, "metrics": {"tensorboard": False, "wandb": {"enabled": False}}}).metrics
+    assert [s.name for s in open_sinks(only_jsonl, tmp_path / "b", RUN)] == ["jsonl"]

@@ -1,0 +1,232 @@
+"""The run config of the RL pipeline: the bus's `RunConfig` plus model, task, rewards, rollout and trainer.
+
+Pure data: importing this module imports pydantic only. Every swappable part is a discriminated union
+keyed by `type` (engine, advantage, loss, off-policy correction, reward, task, weight transport), so an
+unknown or misspelled plug-in, or an option a known one does not take, is refused by `relax init` and
+`relax run` alike, with every problem listed. The implementations live in registries keyed by the same names
+(`workers.engines.base.ENGINES`, `workers.training.advantages.ADVANTAGE_ESTIMATORS`,
+`workers.training.policy_losses.POLICY_LOSSES`, `workers.training.corrections.CORRECTIONS`,
+`workers.data.rewards.BUILTINS`, `workers.data.tasks.TASKS`, `workers.weights.TRANSPORTS`); a test
+keeps each registry and its union equal. Each family's models are one module of this package
+(tasks, rewards, rollout, trainer, weights); adding a plug-in is its model there, one member of the
+union, and its implementation in the registry. Each field's docstring is its documentation
+(`relax config show`, docs/configuration.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from relax_bus.overrides import load_with_overrides
+from relax_bus.settings import RunConfig, parse_run_config
+from workers.config.base import Section
+from workers.config.metrics import MetricsConfig, WandbConfig
+from workers.config.rewards import (
+    AnyReward,
+    ExactReward,
+    FormatOptions,
+    FormatReward,
+    MathOptions,
+    MathReward,
+    NumericOptions,
+    NumericReward,
+    PythonOptions,
+    PythonReward,
+    RewardConfig,
+)
+from workers.config.rollout import EngineConfig, RolloutConfig, SimEngineConfig, TorchEngineConfig, VllmEngineConfig
+from workers.config.sampling import SamplingConfig
+from workers.config.tasks import (
+    AdditionOptions,
+    AdditionTask,
+    HfOptions,
+    HfTask,
+    JsonlOptions,
+    JsonlTask,
+    ReverseOptions,
+    ReverseTask,
+    TaskConfig,
+    task_seed,
+    task_spec,
+)
+from workers.config.trainer import (
+    AdvantageConfig,
+    CorrectionConfig,
+    DrGrpoAdvantage,
+    GrpoAdvantage,
+    LossConfig,
+    SimTrainerConfig,
+    TrainerConfig,
+    WarmupConfig,
+)
+from workers.config.weights import FilesystemWeights, ObjectStoreWeights, ShmWeights, WeightsConfig
+
+__all__ = [
+    "AdditionOptions",
+    "AdditionTask",
+    "AdvantageConfig",
+    "AnyReward",
+    "CorrectionConfig",
+    "DrGrpoAdvantage",
+    "EngineConfig",
+    "ExactReward",
+    "FilesystemWeights",
+    "FormatOptions",
+    "FormatReward",
+    "GrpoAdvantage",
+    "HfOptions",
+    "HfTask",
+    "JsonlOptions",
+    "JsonlTask",
+    "LossConfig",
+    "MathOptions",
+    "MathReward",
+    "MetricsConfig",
+    "ModelConfig",
+    "NumericOptions",
+    "NumericReward",
+    "ObjectStoreWeights",
+    "PipelineConfig",
+    "PythonOptions",
+    "PythonReward",
+    "ReverseOptions",
+    "ReverseTask",
+    "RewardConfig",
+    "RolesConfig",
+    "RolloutConfig",
+    "SamplingConfig",
+    "ShmWeights",
+    "SimEngineConfig",
+    "SimTrainerConfig",
+    "TaskConfig",
+    "TorchEngineConfig",
+    "TrainerConfig",
+    "VllmEngineConfig",
+    "WandbConfig",
+    "WarmupConfig",
+    "WeightsConfig",
+    "load_config",
+    "parse_config",
+    "task_seed",
+    "task_spec",
+]
+
+
+class ModelConfig(Section):
+    """Where the policy comes from."""
+
+    source: str = "tiny"
+    """`tiny` (a small Llama built in code; `tiny:<hidden>x<layers>`), `tiny-omni` (a Qwen2.5-Omni thinker
+    built in code with its processor: text, image, audio and video; docs/omni.md), a local Hugging Face
+    directory, or `hf:<repo>` on machines with hub access."""
+    seed: int = 0
+    """Seed of the initial weights of a built-in model."""
+    prompt_format: Literal["auto", "chat", "raw"] = "auto"
+    """How prompt text becomes token ids: `chat` renders it as a user turn with the tokenizer's chat template
+    (`add_generation_prompt`), `raw` tokenizes it as is after the tokenizer's BOS (if it has one), `auto` is
+    `chat` when the tokenizer has a chat template and `raw` otherwise."""
+    system_prompt: str | None = None
+    """A system message before every prompt (chat), or text before it (raw); null: none, or the template's own."""
+
+
+class RolesConfig(Section):
+    """How many processes of each role `relax run` starts (others can join with `relax worker`)."""
+
+    rollout: int = Field(default=1, ge=0)
+    """Rollout (generation) processes."""
+    reward: int = Field(default=1, ge=0)
+    """Reward (scoring) processes."""
+    reference: int = Field(default=1, ge=0)
+    """Reference processes; ignored while `trainer.kl_coef` is 0 (the run then has no reference role)."""
+
+
+class PipelineConfig(RunConfig):
+    """A whole RL run: the bus's settings plus the pipeline's sections."""
+
+    tunable: ClassVar[frozenset[str]] = RunConfig.tunable | {
+        "roles.rollout",
+        "roles.reward",
+        "roles.reference",
+        "trainer.checkpoint_every",
+        "trainer.keep_checkpoints",
+    }
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Where the policy comes from."""
+    task: TaskConfig = Field(default_factory=AdditionTask)
+    """The prompts and their reference answers: `addition`, `reverse`, `jsonl` or `hf` (a local dataset)."""
+    rewards: tuple[RewardConfig, ...] = ()
+    """Reward terms (`exact`, `numeric`, `format`, `math`, `python`); empty means the task's default (exact
+    match for the built-in tasks)."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Generation."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """The actor's optimisation."""
+    weights: WeightsConfig = Field(default_factory=ObjectStoreWeights)
+    """How weights of each policy version reach the rollout and reference roles."""
+    roles: RolesConfig = Field(default_factory=RolesConfig)
+    """Process counts for `relax run`."""
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    """The metrics role and its sinks (JSON Lines, TensorBoard, Prometheus, Weights & Biases)."""
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    """Dynamic sampling: drop groups whose rewards are all equal, replaced by the feeder within a bound."""
+
+    @property
+    def reference(self) -> bool:
+        """Whether the reference role is in the chain (reward -> scored -> reference -> train)."""
+        return self.trainer.kl_coef > 0
+
+    @field_validator("rewards")
+    @classmethod
+    def _distinct_names(cls, rewards: tuple[AnyReward, ...]) -> tuple[AnyReward, ...]:
+        labels = [r.label for r in rewards]
+        if duplicated := sorted({n for n in labels if labels.count(n) > 1}):
+            raise ValueError(f"several rewards named {duplicated}: give each a distinct `name`")
+        return rewards
+
+    @model_validator(mode="after")
+    def _trainer_fits(self) -> PipelineConfig:
+        problems = []
+        sequences = self.groups_per_step * self.samples_per_group
+        if self.trainer.mini_batches > sequences:
+            problems.append(
+                f"trainer.mini_batches ({self.trainer.mini_batches}) exceeds the {sequences} sequences of a step "
+                f"(groups_per_step x samples_per_group): some updates would have no data"
+            )
+        budget = self.trainer.micro_batch_tokens
+        if budget is not None and budget < self.rollout.max_new_tokens + 1:
+            problems.append(
+                f"trainer.micro_batch_tokens ({budget}) cannot hold one sequence of rollout.max_new_tokens "
+                f"({self.rollout.max_new_tokens}) plus its prompt"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _fill_chain(self) -> PipelineConfig:
+        from workers.roles.registry import chain_of
+
+        chain = chain_of(self)
+        if self.chain and self.chain != chain:
+            raise ValueError("chain is derived from the role registry and the trainer settings; leave it out")
+        # The chain is a function of the other fields: set it on the frozen model once, here.
+        object.__setattr__(self, "chain", chain)
+        return self
+
+
+def parse_config(data: dict[str, Any], source: str = "<config>") -> PipelineConfig:
+    """Validate a pipeline run config mapping; ConfigError listing every problem."""
+    return parse_run_config(data, source, PipelineConfig)
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> PipelineConfig:
+    """Read and validate a YAML or JSON pipeline run config; ConfigError listing every problem.
+
+    `overrides` maps dotted keys to values (`{"trainer.lr": 1e-4, "run": "exp2"}`, as
+    `relax_bus.overrides.parse_overrides` makes them from `section.key=value` arguments); they are set in
+    the file's mapping before validation, so their problems are listed with the file's."""
+    return load_with_overrides(path, overrides, PipelineConfig)

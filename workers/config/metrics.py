@@ -1,0 +1,47 @@
+"""Where a run's metrics go: the metrics role's sinks (`workers.metrics`)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from workers.config.base import Section
+
+
+class WandbConfig(Section):
+    """Weights & Biases: a local run directory by default; the service only when asked for."""
+
+    enabled: bool = True
+    """Write the run's metrics with the `wandb` library (offline unless `mode: online`: no network needed)."""
+    mode: Literal["offline", "online"] = "offline"
+    """`offline`: a run directory under `<dir>/wandb` to upload later with `wandb sync`; `online`: stream to the
+    W&B service (its API key comes from wandb's own login, never from the run config)."""
+    project: str = Field(default="relax", min_length=1)
+    """W&B project name."""
+    entity: str | None = None
+    """W&B team or user; null: the login's default."""
+
+
+class MetricsConfig(Section):
+    """The metrics role: follows the run's events from its own durable consumer and writes every step once
+    to each sink below (a restarted role continues where it stopped)."""
+
+    enabled: bool = True
+    """Whether the run has a metrics role (`relax run` starts it)."""
+    out_dir: str | None = None
+    """Directory of the file sinks (`metrics.jsonl`, `tensorboard/`, `wandb/`); null: `<work-dir>/<run>/metrics`
+    of the metrics process, and for `relax run` the run directory."""
+    jsonl: bool = True
+    """Write `metrics.jsonl`: one JSON object per step (`step`, `at` and every value)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under `tensorboard/` (open with `tensorboard --logdir <dir>/tensorboard`)."""
+    prometheus_port: Annotated[int, Field(ge=1, le=65535)] | Literal["auto"] | None = "auto"
+    """Serve Prometheus gauges at `http://<prometheus_host>:<port>/metrics`. `auto`: a free port, which `relax
+    run` prints at the start (and a lone `relax worker metrics` logs as `prometheus_serving`); null: none."""
+    prometheus_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint listens on (loopback by default: it has no authentication)."""
+    poll_s: float = Field(default=5.0, gt=0)
+    """How often the Prometheus gauges of queue depths and live workers are read from the server."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Weights & Biases: an offline run directory by default (`wandb: {enabled: false}` turns it off)."""

@@ -1,0 +1,139 @@
+"""Task sections: the prompts and their reference answers, one model per task type."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from workers.config.base import Section
+
+
+class AdditionOptions(Section):
+    """Every `a+b=` with a, b of `digits` digits."""
+
+    seed: int | None = None
+    """Shuffle the problems with this seed (None: in order)."""
+    digits: int = Field(default=1, ge=1, le=3)
+    """Digits of each operand (100 problems for 1, 10,000 for 2)."""
+    limit: int | None = Field(default=None, ge=1)
+    """Keep only the first `limit` problems."""
+    template: str = "{a}+{b}="
+    """The prompt, `{a}` and `{b}` standing for the operands (an instruct model wants words:
+    "What is {a}+{b}? Answer with just the number.")."""
+
+
+class ReverseOptions(Section):
+    """Reverse a random lowercase string."""
+
+    min_len: int = Field(default=3, ge=1)
+    """Shortest string."""
+    max_len: int = Field(default=6, ge=1)
+    """Longest string."""
+    count: int = Field(default=100, ge=1)
+    """Problems generated."""
+    seed: int = 0
+    """Seed of the generated strings."""
+
+    @model_validator(mode="after")
+    def _lengths(self) -> ReverseOptions:
+        if self.min_len > self.max_len:
+            raise ValueError(f"min_len ({self.min_len}) must not exceed max_len ({self.max_len})")
+        return self
+
+
+class JsonlOptions(Section):
+    """One prompt per line of a JSONL file (text or image/audio/video parts, optional answer)."""
+
+    path: str = Field(min_length=1)
+    """The file, on every machine that runs the feeder (relative paths: to the worker's directory)."""
+    task: str = Field(default="jsonl", min_length=1)
+    """Task name recorded with each item (it selects the default reward)."""
+    limit: int | None = Field(default=None, ge=1)
+    """Keep only the first `limit` lines."""
+
+
+class HfOptions(Section):
+    """A local dataset read with Hugging Face `datasets` (no hub access)."""
+
+    path: str = Field(min_length=1)
+    """A .parquet, .jsonl/.json, .csv or .arrow file, or a `save_to_disk` directory, on every machine that runs
+    the feeder (relative paths: to the worker's directory)."""
+    split: str = "train"
+    """The split to read (a file is read as this split)."""
+    prompt_field: str = "prompt"
+    """The column holding the prompt text (ignored when `template` or `messages_field` is set)."""
+    messages_field: str | None = None
+    """The column holding a conversation, a list of `{role, content}` (system/user/assistant): its last user
+    turn is the prompt, the turns before it the history the chat template renders first."""
+    answer_field: str | None = "answer"
+    """The column holding the reference answer; null for prompts without one."""
+    template: str | None = None
+    """The prompt as a Python format string over the row's columns, e.g. `"Question: {question}"`."""
+    answer_regex: str | None = None
+    """Take the answer as the first group of this regex in the answer column (GSM8K: `"####\\s*(.+)"`)."""
+    task: str = Field(default="hf", min_length=1)
+    """Task name recorded with each item (it selects the default reward)."""
+    seed: int | None = None
+    """Shuffle the rows once with this seed (None: file order)."""
+    limit: int | None = Field(default=None, ge=1)
+    """Keep only the first `limit` rows (after shuffling)."""
+
+    @model_validator(mode="after")
+    def _regex_compiles(self) -> HfOptions:
+        import re
+
+        if self.answer_regex is not None:
+            try:
+                re.compile(self.answer_regex)
+            except re.error as err:
+                raise ValueError(f"answer_regex is not a regular expression: {err}") from None
+        if self.template is not None and self.messages_field is not None:
+            raise ValueError("set either template (one prompt from the row's columns) or messages_field, not both")
+        return self
+
+
+class AdditionTask(Section):
+    """Single- to three-digit addition (verifiable, learnable by the tiny model)."""
+
+    type: Literal["addition"] = "addition"
+    options: AdditionOptions = Field(default_factory=AdditionOptions)
+    """Options of the addition task."""
+
+
+class ReverseTask(Section):
+    """String reversal."""
+
+    type: Literal["reverse"]
+    options: ReverseOptions = Field(default_factory=ReverseOptions)
+    """Options of the reverse task."""
+
+
+class JsonlTask(Section):
+    """Prompts from a JSONL file."""
+
+    type: Literal["jsonl"]
+    options: JsonlOptions
+    """Options of the jsonl task (`path` is required)."""
+
+
+class HfTask(Section):
+    """Prompts from a local dataset through Hugging Face `datasets`."""
+
+    type: Literal["hf"]
+    options: HfOptions
+    """Options of the hf task (`path` is required)."""
+
+
+TaskConfig = Annotated[AdditionTask | ReverseTask | JsonlTask | HfTask, Field(discriminator="type")]
+
+
+def task_spec(task: AdditionTask | ReverseTask | JsonlTask | HfTask) -> dict[str, Any]:
+    """The flat mapping `workers.data.tasks.load_task` takes."""
+    return {"type": task.type, **task.options.model_dump()}
+
+
+def task_seed(task: AdditionTask | ReverseTask | JsonlTask | HfTask) -> int | None:
+    """The task's shuffle seed (None: unshuffled, or a task type without one)."""
+    seed = getattr(task.options, "seed", None)
+    return seed if isinstance(seed, int) else None

@@ -1,0 +1,1 @@
+"""Data: tasks (prompts and answers), rewards, tokenizers and model sources."""

@@ -1,0 +1,384 @@
+"""Datasets as a registry: `load_task({"type": ..., **options})` returns the task's items in order.
+
+Built-in types: `addition` and `reverse` (synthetic, verifiable, small enough for a tiny model),
+`jsonl` (one prompt per line, with optional image/audio/video parts) and `hf` (a local dataset file or
+directory through Hugging Face `datasets`: parquet, JSON Lines, CSV, arrow, or a `save_to_disk`
+directory, with field mapping). Adding a type is one loader function plus one line in `TASKS`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import mimetypes
+import random
+import string
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from schemas import ChatTurn
+from schemas.parts import AudioPart, ImagePart, MediaRef, Part, TextPart, VideoPart
+
+MAX_REPORTED_ERRORS = 20
+_PartModel = type[TextPart] | type[ImagePart] | type[AudioPart] | type[VideoPart]
+_MEDIA_TYPES: dict[str, _PartModel] = {
+    "image": ImagePart,
+    "audio": AudioPart,
+    "video": VideoPart,
+}
+
+
+@dataclass(frozen=True)
+class TaskItem:
+    """One problem of a task: the prompt parts, the reference answer and where it comes from."""
+
+    parts: tuple[Part, ...]
+    answer: str | None
+    task: str
+    """Task name; it names the default reward (see `workers.data.rewards.default_rewards`)."""
+    index: int
+    """Row of the dataset, 0-based, in the order returned."""
+    history: tuple[ChatTurn, ...] = ()
+    """Earlier turns of a conversation, before `parts` (the user's latest turn)."""
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(count: int, epoch: int, seed: int | None) -> tuple[int, ...]:
+    """The order of a dataset's `count` rows in pass `epoch`: as loaded in the first pass (a seeded task is
+    shuffled once at load), then a fresh permutation per pass seeded by `(seed, epoch)`; no seed: as loaded."""
+    order = list(range(count))
+    if seed is not None and epoch > 0:
+        random.Random(f"{seed}/{epoch}").shuffle(order)
+    return tuple(order)
+
+
+def prompt_text(parts: Iterable[Part], sep: str = "") -> str:
+    """The text parts joined by `sep`: what a text-only model sees of the prompt."""
+    return sep.join(p.text for p in parts if isinstance(p, TextPart))
+
+
+def addition(
+    seed: int | None = None, digits: int = 1, limit: int | None = None, template: str = "{a}+{b}="
+) -> list[TaskItem]:
+    """Every `a+b=` with a, b of `digits` digits (100 problems for one digit); shuffled when `seed` is set.
+
+    `template` words the prompt (`{a}` and `{b}` are the operands), e.g. for an instruct model
+    "What is {a}+{b}? Answer with just the number."."""
+    try:
+        template.format(a=0, b=0)
+    except (KeyError, IndexError, ValueError) as err:
+        raise ValueError(f"addition: template {template!r} may only name {{a}} and {{b}}: {err}") from None
+    if not 1 <= digits <= 3:
+        raise ValueError(f"addition: digits must be 1, 2 or 3, got {digits}")
+    _check_limit("addition", limit)
+    top = 10**digits
+    pairs = [(a, b) for a in range(top) for b in range(top)]
+    if seed is not None:
+        random.Random(seed).shuffle(pairs)
+    pairs = pairs[:limit]
+    return [_text_item(template.format(a=a, b=b), str(a + b), "addition", i) for i, (a, b) in enumerate(pairs)]
+
+
+def reverse(min_len: int = 3, max_len: int = 6, count: int = 100, seed: int = 0) -> list[TaskItem]:
+    """`count` distinct random lowercase words; the prompt `rev:abc=` asks for the word reversed (`cba`)."""
+    if not 1 <= min_len <= max_len:
+        raise ValueError(f"reverse: need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
+    if count < 1:
+        raise ValueError(f"reverse: count must be at least 1, got {count}")
+    capacity = sum(26**n for n in range(min_len, max_len + 1))
+    if count > capacity:
+        raise ValueError(f"reverse: only {capacity} distinct words of length {min_len}..{max_len}, asked {count}")
+    rng = random.Random(seed)
+    words: dict[str, None] = {}  # insertion-ordered set
+    while len(words) < count:
+        n = rng.randint(min_len, max_len)
+        words["".join(rng.choices(string.ascii_lowercase, k=n))] = None
+    return [_text_item(f"rev:{w}=", w[::-1], "reverse", i) for i, w in enumerate(words)]
+
+
+def jsonl(path: str | Path, task: str = "jsonl", limit: int | None = None) -> list[TaskItem]:
+    """One item per non-blank line; every bad line is reported at once, with its line number."""
+    _check_limit("jsonl", limit)
+    file = Path(path)
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise ValueError(f"jsonl task file {str(file)!r} cannot be read: {err.strerror or err}") from None
+    items: list[TaskItem] = []
+    errors: list[tuple[int, str]] = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            parts, answer, name = _parse_record(line, file.parent)
+        except ValueError as err:
+            errors.append((lineno, _describe(err)))
+            continue
+        items.append(TaskItem(parts=parts, answer=answer, task=name or task, index=len(items)))
+    if errors:
+        raise ValueError(_report(f"{file}", "line", errors))
+    if not items:
+        raise ValueError(f"{file}: no tasks (the file has no non-blank line)")
+    return items[:limit]
+
+
+_HF_FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
+
+
+def hf(
+    path: str | Path,
+    split: str = "train",
+    prompt_field: str = "prompt",
+    answer_field: str | None = "answer",
+    template: str | None = None,
+    answer_regex: str | None = None,
+    task: str = "hf",
+    seed: int | None = None,
+    limit: int | None = None,
+    messages_field: str | None = None,
+) -> list[TaskItem]:
+    """Rows of a local dataset as text prompts; every row that cannot be used is reported at once.
+
+    The prompt is `template.format(**row)` when a template is given, else the row's `prompt_field`; with
+    `messages_field`, the row's conversation (a list of `{role, content}`): its last user turn is the prompt
+    and the turns before it the history (turns after it are ignored). The answer is the row's `answer_field`
+    (null: no answer), or the first group of `answer_regex` in it (GSM8K's `#### 18` is
+    `answer_regex: "####\\s*(.+)"`). `seed` shuffles the rows once.
+    """
+    import re
+
+    _check_limit("hf", limit)
+    rows = _hf_rows(Path(path), split)
+    pattern = re.compile(answer_regex) if answer_regex else None
+    items: list[TaskItem] = []
+    errors: list[tuple[int, str]] = []
+    for i, row in enumerate(rows):
+        history: tuple[ChatTurn, ...] = ()
+        try:
+            if messages_field is not None:
+                text, history = _hf_conversation(row, messages_field)
+            else:
+                text = _hf_prompt(row, prompt_field, template)
+            answer = None if answer_field is None else _hf_answer(row, answer_field, pattern)
+        except ValueError as err:
+            errors.append((i, str(err)))
+            continue
+        items.append(TaskItem((TextPart(text=text),), answer, task, len(items), history))
+    if errors:
+        raise ValueError(_report(f"{path} ({split})", "row", errors))
+    if not items:
+        raise ValueError(f"{path} ({split}): no rows")
+    if seed is not None:
+        order = list(range(len(items)))
+        random.Random(seed).shuffle(order)
+        items = [TaskItem(items[j].parts, items[j].answer, task, k, items[j].history) for k, j in enumerate(order)]
+    return items[:limit]
+
+
+def _hf_rows(path: Path, split: str) -> list[dict[str, Any]]:
+    """The rows of a dataset file or directory, read offline; ValueError when it cannot be read."""
+    import os
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # a local dataset never needs the hub
+    import datasets
+
+    datasets.disable_progress_bars()
+    if not path.exists():
+        raise ValueError(f"hf task: no dataset at {str(path)!r}")
+    try:
+        if path.is_dir():
+            loaded: Any = datasets.load_from_disk(str(path))
+        else:
+            kind = _HF_FORMATS.get(path.suffix.lower())
+            if kind is None:
+                known = ", ".join(sorted(_HF_FORMATS))
+                raise ValueError(f"hf task: {path.name} is not a dataset file ({known}, or a save_to_disk directory)")
+            loaded = datasets.load_dataset(kind, data_files={split: str(path)})
+    except (OSError, FileNotFoundError, datasets.exceptions.DatasetGenerationError) as err:
+        raise ValueError(f"hf task: {path} cannot be read: {err}") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise ValueError(f"hf task: {path} has no split {split!r} (splits: {', '.join(loaded)})")
+        loaded = loaded[split]
+    return list(loaded)
+
+
+def _hf_prompt(row: dict[str, Any], field: str, template: str | None) -> str:
+    if template is not None:
+        try:
+            return template.format(**row)
+        except KeyError as err:
+            raise ValueError(
+                f"template names field {err.args[0]!r}, which the row lacks (fields: {', '.join(row)})"
+            ) from None
+    if field not in row:
+        raise ValueError(f"no field {field!r} (fields: {', '.join(row)}); set prompt_field or template")
+    value = row[field]
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"field {field!r} must be non-empty text, got {type(value).__name__}")
+    return value
+
+
+def _hf_conversation(row: dict[str, Any], field: str) -> tuple[str, tuple[ChatTurn, ...]]:
+    """The last user turn's text and the turns before it, from a column of `{role, content}` records."""
+    if field not in row:
+        raise ValueError(f"no field {field!r} (fields: {', '.join(row)}); set messages_field")
+    value = row[field]
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"field {field!r} must be a non-empty list of {{role, content}}, got {type(value).__name__}")
+    turns, problems = [], []
+    for k, turn in enumerate(value):
+        try:
+            turns.append(ChatTurn.model_validate(turn))
+        except ValidationError as err:
+            problems += [f"turn {k} {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()]
+    if problems:
+        raise ValueError(f"field {field!r}: {'; '.join(problems)}")
+    last = max((k for k, t in enumerate(turns) if t.role == "user"), default=None)
+    if last is None:
+        raise ValueError(f"field {field!r} has no user turn to answer")
+    if not turns[last].content:
+        raise ValueError(f"field {field!r}: the last user turn is empty")
+    return turns[last].content, tuple(turns[:last])
+
+
+def _hf_answer(row: dict[str, Any], field: str, pattern: Any) -> str:
+    if field not in row:
+        raise ValueError(f"no field {field!r} (fields: {', '.join(row)}); set answer_field (null: no answer)")
+    value = row[field]
+    if value is None:
+        raise ValueError(f"field {field!r} is null in this row (set answer_field: null for prompts without answers)")
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str):
+        raise ValueError(f"field {field!r} must be text or a number, got {type(value).__name__}")
+    if pattern is None:
+        return value
+    found = pattern.search(value)
+    if found is None:
+        raise ValueError(f"answer_regex {pattern.pattern!r} does not match {value[:60]!r}")
+    return str(found.group(1) if found.groups() else found.group()).strip()
+
+
+TASKS: dict[str, Callable[..., list[TaskItem]]] = {
+    "addition": addition,
+    "reverse": reverse,
+    "jsonl": jsonl,
+    "hf": hf,
+}
+
+
+def load_task(spec: Mapping[str, Any]) -> list[TaskItem]:
+    """Load the task whose loader `spec["type"]` names, with the other keys as its options."""
+    options = dict(spec)
+    kind = options.pop("type", None)
+    loader = TASKS.get(kind) if isinstance(kind, str) else None
+    if loader is None:
+        raise ValueError(f"unknown task type {kind!r}; known types: {', '.join(sorted(TASKS))}")
+    try:
+        inspect.signature(loader).bind(**options)
+    except TypeError as err:
+        raise ValueError(f"task {kind!r}: {err}") from None
+    return loader(**options)
+
+
+def _report(where: str, unit: str, errors: list[tuple[int, str]]) -> str:
+    """Every bad line or row of a dataset in one message (the first MAX_REPORTED_ERRORS of them)."""
+    shown = "\n".join(f"  {unit} {n}: {msg}" for n, msg in errors[:MAX_REPORTED_ERRORS])
+    more = f"\n  ... and {len(errors) - MAX_REPORTED_ERRORS} more" if len(errors) > MAX_REPORTED_ERRORS else ""
+    return f"{where}: {len(errors)} bad {unit}(s):\n{shown}{more}"
+
+
+def _text_item(prompt: str, answer: str, task: str, index: int) -> TaskItem:
+    return TaskItem(parts=(TextPart(text=prompt),), answer=answer, task=task, index=index)
+
+
+def _check_limit(task: str, limit: int | None) -> None:
+    if limit is not None and limit < 1:
+        raise ValueError(f"{task}: limit must be at least 1, got {limit}")
+
+
+def _parse_record(line: str, base: Path) -> tuple[tuple[Part, ...], str | None, str | None]:
+    """Parts, answer and task name of one JSONL line; ValueError says what is wrong with it."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not valid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as err:  # a "\udXXX" JSON escape with no pair: no message could carry it
+        bad = err.object[err.start : err.end]
+        raise ValueError(f"holds {bad!r}, a lone surrogate, which is not valid Unicode text") from None
+    if "prompt" not in record:
+        raise ValueError("missing 'prompt'")
+    prompt = record["prompt"]
+    if isinstance(prompt, str):
+        parts: tuple[Part, ...] = (TextPart(text=prompt),)
+    elif isinstance(prompt, list) and prompt:
+        parts = tuple(_parse_part(p, i, base) for i, p in enumerate(prompt))
+    else:
+        raise ValueError("'prompt' must be a string or a non-empty list of parts")
+    answer = record.get("answer")
+    if isinstance(answer, int | float) and not isinstance(answer, bool):
+        answer = str(answer)
+    elif answer is not None and not isinstance(answer, str):
+        raise ValueError(f"'answer' must be a string, a number or null, got {type(answer).__name__}")
+    name = record.get("task")
+    if name is not None and not (isinstance(name, str) and name):
+        raise ValueError("'task' must be a non-empty string")
+    return parts, answer, name
+
+
+def _parse_part(part: Any, i: int, base: Path) -> Part:
+    """One element of a prompt list: text as is, media from a `path` (read inline) or a `uri` (a reference)."""
+    where = f"prompt[{i}]"
+    if not isinstance(part, dict):
+        raise ValueError(f"{where} must be an object, got {type(part).__name__}")
+    kind = part.get("type")
+    if kind == "text":
+        return _validate(TextPart, part, where)
+    model = _MEDIA_TYPES.get(kind) if isinstance(kind, str) else None
+    if model is None:
+        raise ValueError(f"{where} has unknown type {kind!r} (known: text, {', '.join(_MEDIA_TYPES)})")
+    fields = dict(part)
+    path, uri = fields.pop("path", None), fields.pop("uri", None)
+    if (path is None) == (uri is None):
+        raise ValueError(f"{where} ({kind}) needs exactly one of 'path' or 'uri'")
+    source = str(path if path is not None else uri)
+    if "mime" not in fields:
+        guessed, _ = mimetypes.guess_type(source)
+        if guessed is None:
+            raise ValueError(f"{where} ({kind}) has no 'mime' and none can be guessed from {source!r}")
+        fields["mime"] = guessed
+    if path is not None:
+        file = base / str(path)
+        try:
+            fields["inline"] = file.read_bytes()
+        except OSError as err:
+            raise ValueError(f"{where} ({kind}) cannot read {str(file)!r}: {err.strerror or err}") from None
+    else:
+        fields["ref"] = MediaRef(uri=source)
+    return _validate(model, fields, where)
+
+
+def _validate(model: _PartModel, fields: dict[str, Any], where: str) -> Part:
+    try:
+        return model.model_validate(fields)
+    except ValidationError as err:
+        raise ValueError(f"{where} ({fields.get('type')}): {_describe(err)}") from None
+
+
+def _describe(err: ValueError) -> str:
+    """One readable line for a parse error; pydantic errors become `field: message; ...`."""
+    if isinstance(err, ValidationError):
+        return "; ".join(
+            f"{'.'.join(str(x) for x in e['loc']) or 'value'}: {e['msg']}" for e in err.errors(include_url=False)
+        )
+    return str(err)

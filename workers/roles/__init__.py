@@ -1,0 +1,1 @@
+"""The roles, one module each; `registry` lists them."""

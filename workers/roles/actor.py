@@ -1,0 +1,377 @@
+"""The actor role: assembles steps from the train stream, trains, publishes weights, then acks.
+
+A batch role of the bus's worker loop (`relax_bus.batch_worker`), which fetches, keeps messages alive,
+settles and shuts down. Per step the loop holds B admitted train groups: `admit` skips copies of groups
+already trained (acked without training) and applies the run's staleness rule (`admit_fresh`: stale
+groups are dropped or requeued); `handle` runs one optimizer update, snapshots the weights of version
+v+1 and starts publishing them; the loop then acks the step's messages; `settled` records the step and
+checkpoints. Order matters: a crash before the ack leaves the groups unacked, so they come back.
+
+Publishing is off the critical path: the snapshot (a copy of the weights) is handed to a task that
+writes it through the weight transport and only then advances `policy.version` (compare-and-set) and
+announces it, so a reader never sees a version it cannot fetch; meanwhile the acks, the step record and
+the next step's collection go on. The next publish, a checkpoint and the end of the run wait for it
+first, so versions are published in order and a checkpoint's version is always readable. A publish
+that failed fails the actor at that wait (it restarts from its checkpoint, as after any crash).
+
+Checkpoints (every `trainer.checkpoint_every` steps, and at step 0) go to the weights object store
+with a record in KV: model, optimizer, step, version, the train consumer's ack floor and the ledger
+of settled groups (`workers.roles.ledger`). A restarted actor loads the latest, rewinds the consumer to the
+floor and skips every group its ledger holds; so do copies of a group published again after a
+crash, wherever they land in the stream: every group is trained exactly once in effect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import json
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import nats.js.errors
+import torch
+import torch.distributed as dist
+
+from relax_bus.batch_worker import BatchWorker, Held
+from relax_bus.bus import Bus
+from relax_bus.control import Reject, Skip
+from relax_bus.delivery import Delivery, WorkerOptions
+from relax_bus.log import get_logger
+from relax_bus.outage import through_outage
+from relax_bus.stale_filter import DROPPED_KEY, admit_fresh
+from relax_bus.staleness import Decision
+from relax_bus.state_keys import TRAINER_CHECKPOINT, TRAINER_DONE, TRAINER_STEP
+from schemas import Metric, RunEvent, TrainGroup
+from workers.config import PipelineConfig, task_spec
+from workers.roles.actor_state import CHECKPOINT_PREFIX, ActorState, retain_checkpoints
+from workers.roles.serve import RoleContext
+from workers.training.batch import untrainable
+from workers.training.distributed import DrivenTrainer
+from workers.training.trainer import PolicyTrainer
+from workers.weights import WeightTransport
+
+log = get_logger(__name__)
+
+CHECKPOINT_KEY = TRAINER_CHECKPOINT
+STEP_KEY = TRAINER_STEP
+DONE_KEY = TRAINER_DONE
+
+
+async def before_bus(ctx: RoleContext) -> bool:
+    """Under torchrun, ranks > 0 mirror rank 0's trainer and never touch the bus; True if this was one."""
+    from relax_bus.bus import Bus
+    from workers.data.models import materialize
+    from workers.training.devices import init_distributed
+    from workers.training.distributed import follow, world
+
+    init_distributed()
+    rank, _ = world()
+    if rank == 0:
+        return False
+    s = ctx.settings
+    bus = await Bus.connect(
+        s, ctx.run, name="relax-actor-follower", retry_for_s=s.connect_retry_s, config_model=PipelineConfig
+    )
+    config = bus.config  # the only thing a follower reads from the bus
+    await bus.close()
+    await asyncio.to_thread(dist.barrier)  # rank 0 has built (or found) the model directory: see serve
+    model_dir = await asyncio.to_thread(materialize, config.model.source, ctx.cache / "base", config.model.seed)
+    trainer = await asyncio.to_thread(PolicyTrainer, model_dir, config)
+    await asyncio.to_thread(follow, trainer)
+    return True
+
+
+async def serve(ctx: RoleContext) -> None:
+    """`relax worker actor` (rank 0 under torchrun): build the trainer, resume or warm up, train."""
+    from workers.data.models import materialize
+    from workers.data.tasks import load_task
+    from workers.training.distributed import world
+    from workers.training.sim_trainer import SimulatedTrainer
+    from workers.weights import make_transport
+
+    bus = ctx.connected
+    cfg = bus.config
+    _, size = world()
+    # Only rank 0 builds a model from code (transformers saves nothing on other ranks); they wait at this
+    # barrier, the first collective of every rank, and then read the finished directory.
+    model_dir = await asyncio.to_thread(materialize, cfg.model.source, ctx.cache / "base", cfg.model.seed)
+    if size > 1:
+        await asyncio.to_thread(dist.barrier)
+    trainer_class = PolicyTrainer if cfg.trainer.simulate is None else SimulatedTrainer
+    local = await asyncio.to_thread(trainer_class, model_dir, cfg)
+    trainer = DrivenTrainer(local) if size > 1 else local
+    actor = Actor(bus, trainer, make_transport(bus))
+
+    async def body() -> None:
+        try:
+            await actor.setup(load_task(task_spec(cfg.task)))
+            await actor.run(ctx.stop)
+        finally:
+            if isinstance(trainer, DrivenTrainer):
+                trainer.stop()
+
+    heartbeat = actor.worker.heartbeat  # from the start: the warm-up can take minutes
+    await heartbeat.beat()
+    heartbeat.start()
+    try:
+        await body()
+    finally:
+        await heartbeat.stop(remove=True)
+
+
+def _holds(held: Sequence[Held[TrainGroup]], release_index: int) -> bool:
+    return any(h.message.scored.rollout.prompt.release_index == release_index for h in held)
+
+
+async def _stop_when(stop: asyncio.Event, action: Callable[[], None]) -> None:
+    await stop.wait()
+    action()
+
+
+class Actor:
+    """The actor as a batch role of the bus's loop; the math lives in `PolicyTrainer`."""
+
+    def __init__(self, bus: Bus, trainer: PolicyTrainer | DrivenTrainer, transport: WeightTransport) -> None:
+        self.bus = bus
+        self.trainer = trainer
+        self.transport = transport
+        self.cfg = bus.config
+        self.state = ActorState()
+        self.revision = 0  # KV revision of policy.version we last wrote or read
+        self.stream = bus.topology.stream("train").name
+        self.durable = bus.topology.consumer("train").durable
+        self.started = time.time()
+        self.requeued = 0
+        self.period_start: float | None = None  # perf_counter when the current step's period began
+        self.worker = BatchWorker(
+            bus, "actor", self, TrainGroup, lambda: self.cfg.groups_per_step, WorkerOptions(fetch_timeout_s=1.0)
+        )
+        self._step: tuple[dict[str, float], collections.Counter[int], float] | None = None
+        """Metrics, lags and weight-sync seconds of the step handled and not yet recorded."""
+        self._publishing: asyncio.Task[float] | None = None
+        """The weights publish in progress (its result: the seconds it took)."""
+        self._publish_s: float | None = None
+        """How long the last finished background publish took."""
+
+    # ---- setup -------------------------------------------------------------------------------------------
+
+    async def setup(self, warmup_items: list[Any]) -> None:
+        """Resume from the latest checkpoint, or warm up and publish version 0."""
+        record = await self._checkpoint_record()
+        current, self.revision = await through_outage(self.bus.version.get, "read policy version")
+        if record is not None:
+            data = await through_outage(lambda: self.bus.weights.get(record["object"]), "read checkpoint")
+            extra = await asyncio.to_thread(self.trainer.restore, data)
+            self.state = ActorState.from_extra(extra)
+            # Versions published after that checkpoint stay taken: the next update gets a new number.
+            self.state.version = max(self.state.version, current)
+            await through_outage(
+                lambda: self.bus.js.reset_consumer(self.stream, self.durable, seq=self.state.floor + 1),
+                "rewind the train consumer",
+            )
+            # Drops after the checkpoint are judged again (and counted again) as the consumer replays them.
+            await self._put_dropped()
+            log.info("actor_resumed", step=self.state.step, version=self.state.version, floor=self.state.floor)
+            return
+        if self.revision:
+            # A previous actor published v0 but died before its first checkpoint: start from those weights.
+            state = await self.transport.fetch(0)
+            await asyncio.to_thread(self.trainer.load_full, state)
+            self.state.version = current
+            await self.bus.js.reset_consumer(self.stream, self.durable, seq=1)
+        else:
+            info = await asyncio.to_thread(self.trainer.warmup, warmup_items)
+            log.info("warmup_done", **info)
+            await self._event("warmup_done", **info)
+            await self._publish_weights(0)
+        await self._checkpoint()
+
+    async def _checkpoint_record(self) -> dict[str, Any] | None:
+        try:
+            entry = await through_outage(lambda: self.bus.state.get(CHECKPOINT_KEY), "read checkpoint record")
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        return json.loads(entry.value or b"{}") or None
+
+    # ---- the loop: a batch role of the bus's worker loop ----------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> int:
+        """Train until the run's steps are done (or `stop`); return the last step."""
+        if self.state.step < self.cfg.trainer.steps:
+            self.worker.policy_version = self.state.version
+            if self.period_start is None:
+                self.period_start = time.perf_counter()
+            stopper = asyncio.create_task(_stop_when(stop, self.worker.stop))
+            try:
+                await self.worker.run()
+            finally:
+                stopper.cancel()
+                await self._published()  # the last version is readable before the run says it is done
+        if self.state.step >= self.cfg.trainer.steps:
+            await self._put(DONE_KEY, str(self.state.step))
+            log.info("actor_done", step=self.state.step, version=self.state.version)
+        return self.state.step
+
+    async def admit(self, group: TrainGroup, delivery: Delivery, held: Sequence[Held[TrainGroup]]) -> None:
+        """Hold a fresh group for the step; `Skip` a copy, and let the staleness rule drop or requeue."""
+        attempt_key = f"{group.group_id}/{group.scored.rollout.prompt.attempt}"
+        index = group.scored.rollout.prompt.release_index
+        if index in self.state.trained or attempt_key in self.state.settled or _holds(held, index):
+            raise Skip()  # a copy (redelivered, or published again after a crash): exactly once in effect
+        if (why := untrainable(group, self.trainer.vocab_size)) is not None:
+            raise Reject(f"group {group.group_id} cannot be trained: {why}")  # dead-lettered; the feeder replaces it
+
+        async def requeued(decision: Decision) -> None:
+            self.state.settled.add(attempt_key)
+            self.requeued += 1
+
+        async def dropped(decision: Decision) -> None:
+            # Counted in the checkpointed state (not the shared counter): a drop replayed after a restart
+            # is counted once, and the whole count is written for the feeder's credit.
+            self.state.settled.add(attempt_key)
+            self.state.dropped += 1
+            await self._put_dropped()
+            await self._event("group_dropped", group_id=group.group_id, lag=decision.lag, reason=decision.reason)
+
+        await admit_fresh(self.bus, group, self.state.version, requeued, dropped)
+
+    async def handle(self, batch: Sequence[Held[TrainGroup]]) -> None:
+        """One optimizer update on the step's groups, then the weights of the next version."""
+        version = self.state.version
+        lags = collections.Counter(version - h.message.policy_version for h in batch)
+        # In release order, not arrival order: the update does not depend on which worker answered first.
+        groups = sorted((h.message for h in batch), key=lambda g: g.scored.rollout.prompt.release_index)
+        metrics = await asyncio.to_thread(self.trainer.step, groups)
+        sync_started = time.perf_counter()
+        await self._published()  # v is readable before v+1 starts: versions advance in order
+        snapshot = await asyncio.to_thread(self._snapshot)
+        self.state.version = version + 1  # what the next groups' lag is counted against, as before
+        publish = self._publish_weights(version + 1, snapshot, self.state.step)
+        self._publishing = asyncio.create_task(publish, name="publish-weights")
+        self.worker.policy_version = self.state.version
+        for g in groups:
+            self.state.trained.add(g.scored.rollout.prompt.release_index)
+        if self._publish_s is not None:
+            metrics = {**metrics, "weight_publish_s": self._publish_s}
+        self._step = (metrics, lags, time.perf_counter() - sync_started)
+
+    async def settled(self, batch: Sequence[Held[TrainGroup]]) -> None:
+        """After the step's acks: record it, checkpoint on schedule, stop after the last step."""
+        assert self._step is not None
+        metrics, lags, weight_sync_s = self._step
+        self.state.step += 1
+        await self._put(STEP_KEY, str(self.state.step))
+        await self._record_step(batch, metrics, lags, weight_sync_s)
+        if self.state.step % self.cfg.trainer.checkpoint_every == 0 or self.state.step == self.cfg.trainer.steps:
+            await self._checkpoint()
+        if self.state.step >= self.cfg.trainer.steps:
+            self.worker.stop()
+
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        """The weights as they are now, in tensors of their own (on CPU `full_state` returns the parameters
+        themselves, which the next step changes in place while the publish still reads them)."""
+        return {k: v.detach().clone() for k, v in self.trainer.full_state().items()}
+
+    async def _publish_weights(
+        self, version: int, state: dict[str, torch.Tensor] | None = None, step: int | None = None
+    ) -> float:
+        """Make `version` readable through the transport, then advance policy.version and announce it."""
+        started = time.perf_counter()
+        if state is None:
+            state = await asyncio.to_thread(self.trainer.full_state)
+        announcement = await self.transport.publish(version, state, self.state.step if step is None else step)
+        self.revision = await self.bus.version.advance(version, self.revision)
+        self.state.version = max(self.state.version, version)
+        await self.bus.publish("events", announcement)
+        return time.perf_counter() - started
+
+    async def _published(self) -> None:
+        """Wait for the publish in progress, if any (its failure is raised here)."""
+        if self._publishing is not None:
+            task, self._publishing = self._publishing, None
+            self._publish_s = await task
+
+    async def _record_step(
+        self,
+        held: Sequence[Held[TrainGroup]],
+        metrics: dict[str, float],
+        lags: collections.Counter[int],
+        weight_sync_s: float,
+    ) -> None:
+        rollouts = [h.message.scored.rollout for h in held]
+        calls = {(r.worker_id, r.timings.generate_s) for r in rollouts}  # groups of one engine call share it
+        gen_s = sum(seconds for _, seconds in calls)
+        tokens = sum(s.token_ids.numel for r in rollouts for s in r.samples)
+        values = {
+            **metrics,
+            "step": float(self.state.step),
+            "version": float(self.state.version),
+            "wall_s": time.time() - self.started,
+            "weight_sync_s": weight_sync_s,
+            "dropped": float(self.state.dropped),
+            "requeued": float(self.requeued),
+            "lag_mean": sum(k * v for k, v in lags.items()) / max(1, len(held)),
+            "lag_max": float(max(lags)),
+            "rollout_tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
+            **{f"lag_{k}": float(v) for k, v in sorted(lags.items())},
+            **self._step_timings(),
+        }
+        await self.bus.publish("events", Metric(run=self.bus.run, step=self.state.step, values=values))
+        await self._event(
+            "step_trained",
+            step=self.state.step,
+            groups=",".join(h.message.group_id for h in held),
+            seqs=",".join(str(h.delivery.stream_seq) for h in held),
+            versions=",".join(str(h.message.policy_version) for h in held),
+        )
+        log.info(
+            "step_done",
+            step=self.state.step,
+            reward=round(metrics["reward_mean"], 3),
+            loss=round(metrics["loss"], 4),
+            lag=dict(lags),
+        )
+
+    def _step_timings(self) -> dict[str, float]:
+        """This step's phase seconds and `step_s`, the time since the previous step was recorded; resets both.
+
+        data_wait_s: collecting the step's groups (waiting for data, fetch, decode, judging);
+        admit_s: the decode / dedupe / staleness part of it; ack_s: acknowledging the trained groups.
+        """
+        now = time.perf_counter()
+        phases = {"data_wait_s": 0.0, "admit_s": 0.0, "ack_s": 0.0, **self.worker.timings}
+        phases["step_s"] = now - (self.period_start if self.period_start is not None else now)
+        self.worker.timings.clear()
+        self.period_start = now
+        return phases
+
+    async def _checkpoint(self) -> None:
+        await self._published()  # the checkpoint's version is readable
+        info = await through_outage(lambda: self.bus.js.consumer_info(self.stream, self.durable), "read ack floor")
+        floor = info.ack_floor.stream_seq if info.ack_floor else 0
+        self.state.floor = floor
+        extra = self.state.to_extra()
+        data = await asyncio.to_thread(self.trainer.checkpoint_bytes, extra)
+        name = f"{CHECKPOINT_PREFIX}{self.state.step}"
+        await through_outage(lambda: self.bus.weights.put(name, data), f"put checkpoint {name}")
+        old = await self._checkpoint_record()
+        kept, pruned = retain_checkpoints(
+            [*(old or {}).get("kept", [(old or {}).get("object")]), name], self.cfg.trainer
+        )
+        record = {"object": name, "step": self.state.step, "version": self.state.version, "floor": floor, "kept": kept}
+        await self._put(CHECKPOINT_KEY, json.dumps(record))
+        for gone in pruned:
+            await through_outage(functools.partial(self.bus.weights.delete, gone), f"delete checkpoint {gone}")
+        log.info("checkpoint_saved", **record)
+
+    async def _put_dropped(self) -> None:
+        await self._put(DROPPED_KEY, str(self.state.dropped))
+
+    async def _put(self, key: str, value: str) -> None:
+        await through_outage(lambda: self.bus.state.put(key, value.encode()), f"write {key}")
+
+    async def _event(self, event: str, **fields: Any) -> None:
+        await self.bus.publish("events", RunEvent(run=self.bus.run, event=event, source="actor", fields=fields))

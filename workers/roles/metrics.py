@@ -1,0 +1,156 @@
+"""The metrics role: every step of the run, once, in each configured sink.
+
+It follows the run's events stream from its own durable consumer (`workers.metrics.reader`), writes
+each batch of `Metric` events to the step sinks (`workers.metrics.sinks`: JSON Lines, TensorBoard,
+W&B), flushes them, and only then acknowledges the batch; a restarted role rewinds to its ack floor
+and the sinks skip the steps they already hold, so nothing is lost or written twice. With a
+Prometheus port configured it also serves the run's gauges (`workers.metrics.prometheus`), reading
+queue depths, dead letters and live workers from the server every `metrics.poll_s` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+import nats.errors
+
+from relax_bus.bus import Bus
+from relax_bus.cancel import cancel_and_wait
+from relax_bus.delivery import WorkerOptions
+from relax_bus.errors import ConfigError
+from relax_bus.heartbeat import HeartbeatWriter, live_workers, process_heartbeat
+from relax_bus.log import get_logger
+from schemas import Metric, RunEvent, WorkerHeartbeat
+from workers.config import MetricsConfig
+from workers.metrics.prometheus import PrometheusSink
+from workers.metrics.reader import Batch, EventReader
+from workers.metrics.sinks import StepSink, open_sinks
+from workers.roles.serve import RoleContext
+
+log = get_logger(__name__)
+
+WANDB_SERVICE_VARIABLE = "WANDB_SERVICE"
+"""Where wandb tells child processes the address of the service it started (`wandb.env.SERVICE`)."""
+
+
+def metrics_dir(config: MetricsConfig, cache: Path) -> Path:
+    """Where the file sinks write: the configured directory, else `<work-dir>/<run>/metrics`."""
+    return Path(config.out_dir) if config.out_dir else cache / "metrics"
+
+
+async def serve(ctx: RoleContext) -> None:
+    """`relax worker metrics`: write the run's steps to its sinks until stopped."""
+    bus = ctx.connected
+    config = bus.config.metrics
+    gauges = None
+    if config.prometheus_port is not None:
+        port = 0 if config.prometheus_port == "auto" else config.prometheus_port  # 0: the system picks one
+        where = f"{config.prometheus_host}:{config.prometheus_port}"
+        try:
+            gauges = PrometheusSink(bus.run, config.prometheus_host, port)
+        except OSError as err:  # deliberate: a port in use is the user's to fix, in one line
+            raise ConfigError("metrics.prometheus_port", [f"cannot listen on {where}: {err.strerror}"]) from None
+        log.info("prometheus_serving", url=f"http://{config.prometheus_host}:{gauges.port}/metrics")
+    # A W&B service inherited from the parent process (one that used wandb itself) is not this role's: the
+    # run id of a role killed while attached to it stays "in use" there, and the restarted role could not
+    # open the run again. Each role process starts its own, which dies with it.
+    os.environ.pop(WANDB_SERVICE_VARIABLE, None)
+    sinks = await asyncio.to_thread(open_sinks, config, metrics_dir(config, ctx.cache), bus.run)
+    try:
+        await MetricsRole(bus, ctx.role, sinks, gauges, config.poll_s).run(ctx.stop)
+    finally:
+        for sink in sinks:
+            await asyncio.to_thread(sink.close)
+        if gauges is not None:
+            gauges.close()
+
+
+class MetricsRole:
+    """The role's loop: read a batch, write it to every sink, flush, acknowledge."""
+
+    def __init__(
+        self, bus: Bus, role: str, sinks: list[StepSink], gauges: PrometheusSink | None, poll_s: float = 5.0
+    ) -> None:
+        self.bus = bus
+        self.role = role
+        self.sinks = sinks
+        self.gauges = gauges
+        self.poll_s = poll_s
+        self.reader = EventReader(bus, role)
+        self.worker_id = WorkerOptions().worker_id
+        self.started_at = time.time()
+        self.counters: Counter[str] = Counter()
+        self.version: int | None = None
+        self.heartbeat = HeartbeatWriter(
+            bus.workers, f"{role}.{self.worker_id}", self._beat, interval_s=bus.config.bus.heartbeat_ttl_s / 3
+        )
+
+    def _beat(self) -> WorkerHeartbeat:
+        return process_heartbeat(self.bus.run, self.role, self.worker_id, self.started_at, self.version, self.counters)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Follow the events until `stop` is set (the batch in hand is written and acknowledged first)."""
+        await self.reader.open()
+        await self.heartbeat.beat()
+        self.heartbeat.start()
+        poll = asyncio.create_task(self._poll(), name="metrics-poll") if self.gauges is not None else None
+        try:
+            while not stop.is_set():
+                batch = await self.reader.next_batch()
+                if batch:
+                    await self._take(batch)
+        finally:
+            if poll is not None:
+                await cancel_and_wait(poll)
+            await self.heartbeat.stop(remove=True)
+            await self.reader.close()
+        log.info("metrics_stopped", **self.counters)
+
+    async def _take(self, batch: Batch) -> None:
+        points = [m for _, m in batch if isinstance(m, Metric)]
+        written = await asyncio.to_thread(self._write, points) if points else {}
+        if self.gauges is not None:
+            for _, message in batch:
+                if isinstance(message, Metric | RunEvent):
+                    self.gauges.observe(message)
+        await self.reader.ack(batch)
+        self.counters["received"] += len(batch)
+        self.counters["processed"] += len(points)
+        for name, count in written.items():
+            self.counters[f"written_{name}"] += count
+        if points:
+            self.version = int(points[-1].values.get("version", self.version or 0))
+
+    def _write(self, points: list[Metric]) -> dict[str, int]:
+        """Write and flush `points` to every sink (in a thread: W&B and file writes block)."""
+        written = {}
+        for sink in self.sinks:
+            written[sink.name] = sink.write(points)
+            sink.flush()
+        return written
+
+    async def _poll(self) -> None:
+        """Every `poll_s`: queue depths of every consumer, dead letters held, live workers by role."""
+        assert self.gauges is not None
+        t, js = self.bus.topology, self.bus.js
+        while True:
+            depths = {}
+            for c in t.consumers:
+                try:
+                    info = await js.consumer_info(t.stream(c.stream_key).name, c.durable, timeout=2.0)
+                except (TimeoutError, nats.errors.Error):
+                    continue  # tolerated: an outage or a consumer not made yet; the next poll reads it
+                depths[c.stream_key] = int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+            live = Counter({r.name: 0 for r in t.roles})
+            dead: int | None = None
+            try:
+                dead = int((await js.stream_info(t.stream("dlq").name)).state.messages)
+                live.update(b.role for b in await live_workers(self.bus.workers))
+            except (TimeoutError, nats.errors.Error):
+                pass  # tolerated as above: the gauges keep what was read last
+            self.gauges.set_server_state(depths, live, dead)
+            await asyncio.sleep(self.poll_s)

@@ -1,0 +1,235 @@
+"""The rollout role: generates the n responses of each prompt group with the current policy.
+
+Prompt groups fetched by the worker loop are collected into one engine call (up to
+`rollout.batch_groups` groups). Before every call the worker loads the newest published weights, and
+it never generates with weights older than `trainer version - max_staleness` (it waits for them).
+Each group is stamped with the version of the weights that generated it. A prompt that can never be
+generated (a media reference that points nowhere, text the tokenizer refuses, more tokens than the
+model's context) is dead-lettered on its own with the reason, before it could fail a whole batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from relax_bus.bus import Bus
+from relax_bus.control import Reject, Retry
+from relax_bus.errors import BlobNotFound, ConfigError
+from relax_bus.log import get_logger
+from relax_bus.staleness import sync_floor
+from relax_bus.version import VersionTracker
+from relax_bus.worker import Delivery, Worker, WorkerOptions
+from schemas import PromptGroup, RolloutGroup, RolloutTimings, Sample, WireTensor
+from schemas.parts import MediaPart
+from workers.data.models import load_tokenizer, materialize
+from workers.data.prompts import prompt_ids
+from workers.data.tasks import prompt_text
+from workers.engines.base import Engine, Generated, SamplingSettings, make_engine
+from workers.roles.serve import RoleContext, run_worker
+from workers.weights import WeightTransport, make_transport
+
+log = get_logger(__name__)
+COLLECT_S = 0.01
+
+
+@dataclass
+class _Request:
+    prompt: PromptGroup
+    ids: list[int]
+    """Prompt token ids, as `workers.data.prompts` renders them."""
+    received: float
+    done: asyncio.Future[RolloutGroup] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class Rollout:
+    """Engine, tokenizer, weights and the micro-batcher of one rollout worker."""
+
+    def __init__(self, bus: Bus, engine: Engine, tokenizer: object, transport: WeightTransport, worker_id: str):
+        self.bus = bus
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.transport = transport
+        self.worker_id = worker_id
+        self.tracker = VersionTracker(bus.version)
+        self.queue: asyncio.Queue[_Request] = asyncio.Queue()
+        cfg = bus.config.rollout
+        self.sampling = SamplingSettings(
+            temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens
+        )
+        self.batch = cfg.batch_groups
+        self._tokenizing = threading.Lock()  # handlers tokenise in threads; one tokenizer object serves them all
+        self._loop_task: asyncio.Task[None] | None = None
+        self.worker: Worker[PromptGroup] | None = None
+
+    async def start(self) -> None:
+        await self.tracker.start()
+        self._loop_task = asyncio.create_task(self._batches(), name="rollout-batches")
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        await self.tracker.stop()
+
+    async def handle(self, prompt: PromptGroup, delivery: Delivery) -> RolloutGroup:
+        """Worker handler: check and tokenise the group, queue it for the next engine call, wait for its samples."""
+        if self._loop_task is not None and self._loop_task.done():
+            raise RuntimeError("rollout batch loop stopped") from self._loop_task.exception()
+        await self._check_media(prompt)
+        ids = await asyncio.to_thread(self._encode, prompt)  # a long text takes a while: off the event loop
+        request = _Request(prompt, ids, time.time())
+        await self.queue.put(request)
+        return await request.done
+
+    async def sync_weights(self) -> float:
+        """Load the newest weights (waiting for the first version); return seconds spent."""
+        started = time.perf_counter()
+        await self.tracker.refresh()  # one KV read per engine call: never generate on a watcher's late news
+        floor = sync_floor(max(self.tracker.value, 0), self.bus.config.staleness.max_staleness)
+        target = await self.tracker.wait_for(max(floor, 0))
+        if target <= self.engine.version:
+            return 0.0
+        try:
+            state = await self.transport.fetch(target)
+        except BlobNotFound as err:
+            raise Retry(1.0, f"weights v{target} not found: {err}") from None
+        await asyncio.to_thread(self.engine.load_state_dict, state, target)
+        if self.worker is not None:
+            self.worker.policy_version = target
+        log.info("weights_loaded", version=target, seconds=round(time.perf_counter() - started, 3))
+        return time.perf_counter() - started
+
+    async def _batches(self) -> None:
+        while True:
+            requests = [await self.queue.get()]
+            await asyncio.sleep(COLLECT_S)  # let the rest of a fetched batch arrive
+            while len(requests) < self.batch and not self.queue.empty():
+                requests.append(self.queue.get_nowait())
+            try:
+                results = await self._generate(requests)
+            except Exception as err:  # each waiting handler gets the failure; the worker loop settles it
+                for r in requests:
+                    if not r.done.done():
+                        r.done.set_exception(err)
+                continue
+            for r, group in zip(requests, results, strict=True):
+                if not r.done.done():  # a handler cancelled by shutdown no longer waits
+                    r.done.set_result(group)
+
+    async def _generate(self, requests: list[_Request]) -> list[RolloutGroup]:
+        sync_s = await self.sync_weights()
+        version = self.engine.version
+        ids = [r.ids for r in requests]
+        n = self.bus.config.samples_per_group
+        base = self.bus.config.rollout.seed
+        seeds = None if base is None else [group_seed(base, r.prompt) for r in requests]
+        started = time.perf_counter()
+        outputs = await asyncio.to_thread(self.engine.generate, ids, n, self.sampling, seeds)
+        elapsed = time.perf_counter() - started
+        return [
+            RolloutGroup(
+                prompt=r.prompt,
+                prompt_token_ids=WireTensor.from_values(prompt_ids, "int32"),
+                samples=tuple(sample_of(g) for g in samples),
+                policy_version=version,
+                engine=self.engine.name,
+                worker_id=self.worker_id,
+                timings=RolloutTimings(
+                    queued_s=max(0.0, time.time() - r.received - elapsed), generate_s=elapsed, weight_sync_s=sync_s
+                ),
+            )
+            for r, prompt_ids, samples in zip(requests, ids, outputs, strict=True)
+        ]
+
+    def _encode(self, prompt: PromptGroup) -> list[int]:
+        """Prompt token ids (`workers.data.prompts`); Reject when the text cannot be tokenised or leaves no room."""
+        model = self.bus.config.model
+        text = prompt_text(prompt.parts)
+        try:
+            with self._tokenizing:
+                ids = prompt_ids(self.tokenizer, text, model.prompt_format, model.system_prompt, prompt.history)
+        except (ValueError, TypeError) as err:  # deliberate: input the tokenizer refuses is bad input, not a fault
+            raise Reject(f"prompt text cannot be tokenised: {type(err).__name__}: {err}") from None
+        limit, room = self.engine.max_context, self.sampling.max_new_tokens
+        if limit is not None and len(ids) + room > limit:
+            raise Reject(
+                f"prompt of {len(ids)} tokens leaves no room for rollout.max_new_tokens={room} "
+                f"in the model's context of {limit} tokens"
+            )
+        return ids
+
+    async def _check_media(self, prompt: PromptGroup) -> None:
+        """Reject a prompt whose media reference names no object in the run's media store (or no local file)."""
+        for i, part in enumerate(prompt.parts):
+            ref = part.ref if isinstance(part, MediaPart) else None
+            if ref is None:
+                continue
+            where = f"prompt part {i} ({part.type})"
+            media = self.bus.media
+            if ref.digest is not None and await media.info(ref.digest.removeprefix("sha256:")) is None:
+                raise Reject(f"{where} references {ref.digest}, which is not in the media store {media.bucket}")
+            uri = urlparse(ref.uri or "")
+            if uri.scheme == "file" and not Path(unquote(uri.path)).is_file():
+                raise Reject(f"{where} references {ref.uri}, which is not a file on this worker")
+
+
+def group_seed(base: int, prompt: PromptGroup) -> int:
+    """The sampling seed of one group: a hash of `base`, the run, the group id and its attempt (31 bits).
+
+    A requeued group (a new attempt) samples afresh; a redelivered one regenerates the same samples.
+    """
+    key = f"{base}/{prompt.run}/{prompt.group_id}/{prompt.attempt}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") % (1 << 31)
+
+
+def sample_of(g: Generated) -> Sample:
+    """A generated completion as a wire Sample."""
+    return Sample(
+        token_ids=WireTensor.from_values(g.token_ids, "int32"),
+        logprobs=WireTensor.from_values(g.logprobs, "float32"),
+        text=g.text,
+        finish_reason=g.finish_reason,
+    )
+
+
+async def serve(ctx: RoleContext) -> None:
+    """`relax worker rollout`: build the engine, then run the worker loop over it."""
+    try:
+        worker, rollout = await rollout_worker(ctx.connected, ctx.cache)
+    except ValueError as err:  # a model or engine the config names cannot be used here
+        raise ConfigError(f"run {ctx.run} (rollout)", [str(err)]) from None
+    await rollout.start()
+    await run_worker(ctx, worker, rollout.stop)
+
+
+def engine_device(kind: str) -> str:
+    """`rollout.device` as a device string: `auto` is cuda when torch sees a GPU, else cpu."""
+    import torch
+
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("rollout.device", ["'cuda' asked for, but torch sees no CUDA device"])
+    return "cuda" if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+async def rollout_worker(
+    bus: Bus, cache_dir: Path, options: WorkerOptions | None = None
+) -> tuple[Worker[PromptGroup], Rollout]:
+    """Build the engine from the run config and a Worker that feeds it."""
+    cfg = bus.config
+    model_dir = await asyncio.to_thread(materialize, cfg.model.source, cache_dir / "base", cfg.model.seed)
+    engine_cfg = cfg.rollout.engine
+    device = engine_device(cfg.rollout.device)
+    engine = await asyncio.to_thread(
+        lambda: make_engine(engine_cfg.type, model_dir, device=device, **engine_cfg.options())
+    )
+    engine.version = -1  # nothing loaded from the trainer yet: the first batch waits for v0
+    options = options or WorkerOptions(concurrency=cfg.rollout.batch_groups)
+    rollout = Rollout(bus, engine, load_tokenizer(model_dir), make_transport(bus), options.worker_id)
+    worker = Worker(bus, "rollout", rollout.handle, PromptGroup, options)
+    rollout.worker = worker
+    return worker, rollout

@@ -1,0 +1,109 @@
+"""`relax worker ROLE`: one role as one process, given only the NATS URL and the run id.
+
+The role is looked up in the registry (`workers.roles.registry`) and its module's `serve(ctx)` runs
+it; the run config is read from KV. A role whose config spans several nodes (the trainer with
+`trainer.nnodes` > 1) re-executes itself as this node's torchrun agent. SIGTERM/SIGINT stop the role
+gracefully: workers finish or hand back their in-flight messages, the actor hands back a half-collected
+step, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from relax_bus.bus import Bus
+from relax_bus.settings import ConnectionSettings
+from relax_bus.worker import Worker
+from workers.config import PipelineConfig
+from workers.errors import RoleNotInRun
+from workers.roles.registry import role_def
+
+
+@dataclass
+class RoleContext:
+    """What a role's `serve` gets: the connection, the run, its cache, and the stop signal."""
+
+    role: str
+    settings: ConnectionSettings
+    run: str
+    cache: Path
+    """This run's local cache (model files)."""
+    stop: asyncio.Event
+    """Set by SIGTERM/SIGINT: finish or hand back what is in flight, then return."""
+    bus: Bus[PipelineConfig] | None = None
+    """Connected before `serve` is called."""
+
+    @property
+    def connected(self) -> Bus[PipelineConfig]:
+        assert self.bus is not None, "serve() runs after the bus is connected"
+        return self.bus
+
+
+async def run_role(role: str, settings: ConnectionSettings, run: str, work_dir: Path, threads: int = 1) -> int:
+    """Connect (retrying for `settings.connect_retry_s`), run the role until done or stopped; return an exit code."""
+    entry = role_def(role)
+    if entry.torch_threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    ctx = RoleContext(role, settings, run, work_dir / run, asyncio.Event())
+    module = importlib.import_module(entry.module)
+    before_bus: Callable[[RoleContext], Awaitable[bool]] | None = getattr(module, "before_bus", None)
+    if before_bus is not None and await before_bus(ctx):
+        return 0
+    bus = await Bus.connect(
+        settings, run, name=f"relax-{role}", retry_for_s=settings.connect_retry_s, config_model=PipelineConfig
+    )
+    if all(r.name != role for r in bus.config.chain):
+        await bus.close()
+        why = f" ({entry.why_absent})" if entry.why_absent else ""
+        roles = ", ".join(r.name for r in bus.config.chain)
+        raise RoleNotInRun(f"run {run} has no {role} role{why}; its roles: {roles}")
+    if entry.nodes(bus.config) > 1:
+        await _join_nodes(bus, entry.ranks(bus.config), entry.nodes(bus.config))
+    ctx.bus = bus
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, ctx.stop.set)
+    try:
+        await module.serve(ctx)
+    finally:
+        await bus.close()
+    return 0
+
+
+async def _join_nodes(bus: Bus[PipelineConfig], ranks: int, nodes: int) -> None:
+    """A role on several nodes started as a plain process becomes this node's torchrun agent (the process
+    is replaced); under torchrun already, nothing to do."""
+    import torch.distributed
+
+    if torch.distributed.is_torchelastic_launched():
+        return
+    from workers.launch.torchrun import reexec_under_torchrun
+
+    await bus.close()
+    reexec_under_torchrun(bus.config, ranks, nodes)
+
+
+async def run_worker(
+    ctx: RoleContext, worker: Worker[Any], cleanup: Callable[[], Awaitable[None]] | None = None
+) -> None:
+    """Run a bus worker loop until it ends or the role is told to stop."""
+
+    async def stop_when_told() -> None:
+        await ctx.stop.wait()
+        worker.stop()
+
+    stopper = asyncio.create_task(stop_when_told())
+    try:
+        await worker.run()
+    finally:
+        stopper.cancel()
+        if cleanup is not None:
+            await cleanup()

@@ -1,0 +1,123 @@
+"""A trainer step's sequences as padded tensors, the slices of them one forward pass takes, and the check
+that a group can go into a step at all."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from schemas import TrainGroup, WireTensor
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A step's N = B x n sequences as padded tensors (right padding), rows in group order."""
+
+    ids: torch.Tensor  # [N, T] long
+    attention: torch.Tensor  # [N, T] long
+    mask: torch.Tensor  # [N, T-1] float, 1 on response tokens (aligned with token_logprobs)
+    rollout_logp: torch.Tensor  # [N, T-1] float
+    ref_logp: torch.Tensor | None  # [N, T-1] float
+    rewards: torch.Tensor  # [B, n] float
+    lengths: tuple[int, ...]  # [N] prompt + response tokens of each row
+    prompt_lengths: tuple[int, ...]  # [N] prompt tokens of each row
+    group_of: tuple[int, ...]  # [N] the group (prompt) each row answers, 0..B-1
+
+    def rows(self, rows: Sequence[int], device: torch.device) -> Batch:
+        """The rows `rows` cut to their longest sequence, on `device` (rewards stay whole, on the CPU)."""
+        index = torch.tensor(list(rows), dtype=torch.long)
+        width = max(self.lengths[r] for r in rows)
+
+        def cut(t: torch.Tensor, w: int) -> torch.Tensor:
+            return t[index, :w].to(device)
+
+        return Batch(
+            ids=cut(self.ids, width),
+            attention=cut(self.attention, width),
+            mask=cut(self.mask, width - 1),
+            rollout_logp=cut(self.rollout_logp, width - 1),
+            ref_logp=None if self.ref_logp is None else cut(self.ref_logp, width - 1),
+            rewards=self.rewards,
+            lengths=tuple(self.lengths[r] for r in rows),
+            prompt_lengths=tuple(self.prompt_lengths[r] for r in rows),
+            group_of=tuple(self.group_of[r] for r in rows),
+        )
+
+
+def make_batch(groups: Sequence[TrainGroup]) -> Batch:
+    """Pack B train groups of n samples each into padded tensors."""
+    rows: list[tuple[list[int], list[int], list[float], list[float] | None]] = []
+    rewards, group_of = [], []
+    for index, g in enumerate(groups):
+        rollout = g.scored.rollout
+        prompt = list(rollout.prompt_token_ids.to_values())
+        rewards.append(list(g.scored.rewards))
+        for i, s in enumerate(rollout.samples):
+            ref = list(g.ref_logprobs[i].to_values()) if g.ref_logprobs is not None else None
+            rows.append((prompt, list(s.token_ids.to_values()), list(s.logprobs.to_values()), ref))  # type: ignore[arg-type]
+            group_of.append(index)
+    width = max(len(p) + len(r) for p, r, _, _ in rows)
+    n = len(rows)
+    ids = torch.zeros(n, width, dtype=torch.long)
+    attention = torch.zeros(n, width, dtype=torch.long)
+    mask = torch.zeros(n, width - 1)
+    rollout_logp = torch.zeros(n, width - 1)
+    ref_logp = torch.zeros(n, width - 1) if rows[0][3] is not None else None
+    for row, (prompt, response, lps, ref) in enumerate(rows):
+        p, r = len(prompt), len(response)
+        ids[row, : p + r] = torch.tensor(prompt + response)
+        attention[row, : p + r] = 1
+        mask[row, p - 1 : p - 1 + r] = 1  # logit at position t predicts token t+1
+        rollout_logp[row, p - 1 : p - 1 + r] = torch.tensor(lps)
+        if ref_logp is not None and ref is not None:
+            ref_logp[row, p - 1 : p - 1 + r] = torch.tensor(ref)
+    return Batch(
+        ids,
+        attention,
+        mask,
+        rollout_logp,
+        ref_logp,
+        torch.tensor(rewards, dtype=torch.float32),
+        tuple(len(p) + len(r) for p, r, _, _ in rows),
+        tuple(len(p) for p, _, _, _ in rows),
+        tuple(group_of),
+    )
+
+
+def untrainable(group: TrainGroup, vocab_size: int) -> str | None:
+    """Why a train group cannot go into a step, or None: a reward or log-prob that is not finite (one NaN
+    would reach every weight), a token id outside the vocabulary, reference log-probs that do not line up
+    with the responses, or an empty prompt."""
+    scored, rollout = group.scored, group.scored.rollout
+    if not all(math.isfinite(r) for r in scored.rewards):
+        return f"reward not finite: {list(scored.rewards)}"
+    prompt = rollout.prompt_token_ids.to_values()
+    if not prompt:
+        return "empty prompt token ids"
+    if not _in_vocabulary(prompt, vocab_size):
+        return f"prompt token id outside the vocabulary of {vocab_size}"
+    for i, s in enumerate(rollout.samples):
+        if not _in_vocabulary(s.token_ids.to_values(), vocab_size):
+            return f"sample {i}: token id outside the vocabulary of {vocab_size}"
+        if not _finite(s.logprobs):
+            return f"sample {i}: rollout log-prob not finite"
+    if group.ref_logprobs is not None:
+        if len(group.ref_logprobs) != len(rollout.samples):
+            return f"{len(group.ref_logprobs)} reference log-prob rows for {len(rollout.samples)} samples"
+        for i, (ref, s) in enumerate(zip(group.ref_logprobs, rollout.samples, strict=True)):
+            if ref.numel != s.token_ids.numel:
+                return f"sample {i}: {ref.numel} reference log-probs for {s.token_ids.numel} tokens"
+            if not _finite(ref):
+                return f"sample {i}: reference log-prob not finite"
+    return None
+
+
+def _in_vocabulary(ids: list[float] | list[int], vocab_size: int) -> bool:
+    return not ids or (min(ids) >= 0 and max(ids) < vocab_size)
+
+
+def _finite(t: WireTensor) -> bool:
+    return all(math.isfinite(v) for v in t.to_values())

@@ -1,0 +1,95 @@
+"""The trainer across torchrun ranks: rank 0 talks to the bus and drives, the other ranks mirror.
+
+Under FSDP2 every trainer call that touches the model (a step, gathering the full state dict, a
+checkpoint, a restore) is a collective, so all ranks must make the same calls in the same order.
+Rank 0 wraps its `PolicyTrainer` in `DrivenTrainer`, which broadcasts each call (name and arguments)
+before making it; ranks > 0 run `follow`, which receives and repeats them until told to stop.
+
+On several nodes (`trainer.nnodes` > 1) nothing changes but the world: torchrun's c10d rendezvous
+numbers the nodes, RANK is global (the one rank 0 of all nodes drives, wherever it landed) and
+LOCAL_RANK numbers the ranks of one node (it picks the GPU: `workers.training.devices`). On several
+nodes every rank checks that the world torchrun built is the config's `trainer.nnodes x trainer.nproc`
+before the first mirrored call, so nodes started by hand with other torchrun flags fail with a config error.
+The process group keeps torch's default timeouts (a collective waits 30 minutes under gloo, 10 under
+nccl). A follower waits in its broadcast, a gloo collective on GPUs too (the objects are on the CPU),
+while rank 0 waits for train groups: a trainer starved of groups for 30 minutes fails on every rank,
+and the restarted actor resumes from its checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from relax_bus.errors import ConfigError
+from relax_bus.log import get_logger
+from workers.training.trainer import PolicyTrainer
+
+log = get_logger(__name__)
+
+MIRRORED = frozenset({"step", "warmup", "full_state", "checkpoint_bytes", "restore", "load_full"})
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) outside torchrun."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def check_world(trainer: PolicyTrainer) -> None:
+    """ConfigError when a trainer configured for several nodes is not in a world of `trainer.nnodes x
+    trainer.nproc` ranks (on one node `nproc` only tells `relax run` how many ranks to start)."""
+    cfg = trainer.config.trainer
+    rank, size = world()
+    if cfg.nnodes > 1 and size != cfg.world_size:
+        raise ConfigError(
+            "trainer",
+            [
+                f"rank {rank} is in a world of {size} ranks, but trainer.nnodes x trainer.nproc is "
+                f"{cfg.nnodes} x {cfg.nproc} = {cfg.world_size}: start every node with --nnodes={cfg.nnodes} "
+                f"--nproc-per-node={cfg.nproc}"
+            ],
+        )
+
+
+class DrivenTrainer:
+    """Rank 0's trainer: the same interface as PolicyTrainer, every model call mirrored on all ranks."""
+
+    def __init__(self, trainer: PolicyTrainer) -> None:
+        check_world(trainer)
+        self.trainer = trainer
+        rank, size = world()
+        log.info("driver_ready", rank=rank, world=size, local_rank=dist.get_node_local_rank(fallback_rank=0))
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self.trainer, name)
+        if name not in MIRRORED:
+            return target
+
+        def mirrored(*args: Any) -> Any:
+            dist.broadcast_object_list([(name, args)], src=0)
+            return target(*args)
+
+        return mirrored
+
+    def stop(self) -> None:
+        """Release the followers."""
+        dist.broadcast_object_list([("stop", ())], src=0)
+
+
+def follow(trainer: PolicyTrainer) -> None:
+    """Ranks > 0: repeat rank 0's trainer calls until it says stop."""
+    check_world(trainer)
+    rank, size = world()
+    log.info("follower_ready", rank=rank, world=size, local_rank=dist.get_node_local_rank(fallback_rank=0))
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        name, args = box[0]
+        if name == "stop":
+            return
+        if name not in MIRRORED:
+            raise RuntimeError(f"rank 0 asked for {name!r}, which is not a mirrored trainer call")
+        getattr(trainer, name)(*args)

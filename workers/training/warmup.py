@@ -1,0 +1,135 @@
+"""Supervised warm-up of the policy before RL, and the sampled accuracy that decides when it stops.
+
+A random or weak model earns no reward, so RL has no signal: a few supervised steps on the task's
+reference answers (prompt rendered like the rollout role renders it, answer then EOS) start it off.
+Everything here runs on every FSDP2 rank alike (`warmup` is a mirrored trainer call).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from relax_bus.log import get_logger
+from workers.data.prompts import answer_ids, prompt_ids
+from workers.data.tasks import TaskItem, prompt_text
+from workers.training.logprobs import token_logprobs
+
+if TYPE_CHECKING:
+    from workers.training.trainer import PolicyTrainer
+
+log = get_logger(__name__)
+
+
+def item_prompt_ids(trainer: PolicyTrainer, item: TaskItem) -> list[int]:
+    """The item's prompt ids, as the rollout role renders them."""
+    model = trainer.config.model
+    return prompt_ids(
+        trainer.tokenizer, prompt_text(item.parts), model.prompt_format, model.system_prompt, item.history
+    )
+
+
+def run_warmup(trainer: PolicyTrainer, items: Sequence[TaskItem]) -> dict[str, float]:
+    """Supervised steps on (prompt, answer) until sampled accuracy reaches the target or max_steps.
+
+    A high learning rate can reach a good accuracy and then collapse: when max_steps ends below the
+    best accuracy seen at a check, the weights of that check are restored (every rank alike, as the
+    accuracy is computed identically on each). With `label_noise` > 0, `noise_steps` more steps follow
+    in which that fraction of the answers is replaced by wrong ones: the model keeps the task's format
+    but loses its confidence, so RL starts from a weak, reproducible policy with a dense reward signal.
+    """
+    wcfg = trainer.cfg.warmup
+    tok = trainer.tokenizer
+    examples = [(item_prompt_ids(trainer, it), answer_ids(tok, it.answer)) for it in items if it.answer is not None]
+    if wcfg.max_steps == 0 or not examples:
+        return {"warmup_steps": 0.0, "warmup_accuracy": float("nan")}
+    model = trainer.model
+    opt = torch.optim.AdamW(model.parameters(), lr=wcfg.lr)
+    rng = random.Random(trainer.cfg.seed)
+    accuracy = 0.0
+    step = 0
+    best: tuple[float, int, dict[str, torch.Tensor]] | None = None
+    for step in range(1, wcfg.max_steps + 1):
+        loss = _sft_step(trainer, opt, [examples[rng.randrange(len(examples))] for _ in range(wcfg.batch_size)])
+        if step % wcfg.check_every == 0:
+            accuracy = trainer.sampled_accuracy(items[:64])
+            log.info("warmup_progress", step=step, loss=round(loss, 4), accuracy=round(accuracy, 3))
+            if accuracy >= wcfg.target_accuracy:
+                break
+            if best is None or accuracy > best[0]:
+                best = (accuracy, step, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    if best is not None and best[0] > accuracy:
+        model.load_state_dict(best[2])
+        opt = torch.optim.AdamW(model.parameters(), lr=wcfg.lr)
+        log.info("warmup_best_restored", step=best[1], accuracy=round(best[0], 3), final=round(accuracy, 3))
+        accuracy = best[0]
+    answers = [a for _, a in examples]
+    for _ in range(wcfg.noise_steps if wcfg.label_noise > 0 else 0):
+        chosen = []
+        for _ in range(wcfg.batch_size):
+            prompt, answer = examples[rng.randrange(len(examples))]
+            if rng.random() < wcfg.label_noise:
+                answer = rng.choice([a for a in answers if a != answer] or [answer])
+            chosen.append((prompt, answer))
+        _sft_step(trainer, opt, chosen)
+    if wcfg.label_noise > 0 and wcfg.noise_steps > 0:
+        accuracy = trainer.sampled_accuracy(items[:64])
+        log.info("warmup_noise_done", steps=wcfg.noise_steps, accuracy=round(accuracy, 3))
+    return {"warmup_steps": float(step + wcfg.noise_steps), "warmup_accuracy": accuracy}
+
+
+def _sft_step(
+    trainer: PolicyTrainer, opt: torch.optim.Optimizer, chosen: Sequence[tuple[list[int], list[int]]]
+) -> float:
+    """One supervised step: mean token log-loss of the answers after their prompts."""
+    seqs = [p + a for p, a in chosen]
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    mask = torch.zeros(len(seqs), width - 1)
+    for row, ((p, _), s) in enumerate(zip(chosen, seqs, strict=True)):
+        ids[row, : len(s)] = torch.tensor(s)
+        attention[row, : len(s)] = 1
+        mask[row, len(p) - 1 : len(s) - 1] = 1
+    device = trainer.device
+    with trainer.autocast():
+        logp = token_logprobs(trainer.model, ids.to(device), attention.to(device))
+    mask = mask.to(device)
+    loss = -(logp * mask).sum() / mask.sum()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+@torch.no_grad()
+def sampled_accuracy(trainer: PolicyTrainer, items: Sequence[TaskItem]) -> float:
+    """Fraction of one temperature-1 sample per item that exactly matches the answer (then eos)."""
+    model, tok, device = trainer.model, trainer.tokenizer, trainer.device
+    rollout = trainer.config.rollout
+    model.eval()
+    generator = torch.Generator().manual_seed(trainer.cfg.seed)
+    try:
+        eos = tok.eos_token_id
+        hits = 0
+        for it in items:
+            ids = torch.tensor([item_prompt_ids(trainer, it)], device=device)
+            out: list[int] = []
+            for _ in range(rollout.max_new_tokens):
+                with trainer.autocast():
+                    logits = model(input_ids=ids, use_cache=False).logits[0, -1].float() / rollout.temperature
+                # One generator seeded alike on every rank: FSDP ranks must take identical branches.
+                token = int(torch.multinomial(logits.softmax(-1).cpu(), 1, generator=generator))
+                if token == eos:
+                    break
+                out.append(token)
+                ids = torch.cat([ids, torch.tensor([[token]], device=device)], dim=1)
+            else:
+                continue
+            hits += tok.decode(out).strip() == (it.answer or "").strip()
+        return hits / max(1, len(items))
+    finally:
+        model.train()
