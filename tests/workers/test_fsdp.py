@@ -86,7 +86,7 @@ def test_two_rank_fsdp2_step_matches_one_process(tmp_path):
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    sharded = torch.load(out, weights_only=False)
+    sharded = torch.load(out, weights_only=True)
 
     single = PolicyTrainer(model_dir, config())
     before = {k: v.clone() for k, v in single.model.state_dict().items()}
