@@ -203,8 +203,23 @@ async def test_cluster_routes_need_the_route_password(tmp_path):
         )
         nc = await nats.connect(cluster.urls)
         try:
-            info = await nc.jetstream(timeout=10.0).add_stream(name="ROUTED", subjects=["routed.>"], num_replicas=3)
-            assert len(info.cluster.replicas) == 2  # a copy on each of the other servers, over the routes
+            js = nc.jetstream(timeout=10.0)
+
+            async def add_routed_stream() -> object:
+                # A fresh cluster can elect its meta leader before every peer has caught up, and the first
+                # R3 create then times out: retried, as provisioning a run does; expiry names the last error.
+                try:
+                    return await js.add_stream(name="ROUTED", subjects=["routed.>"], num_replicas=3)
+                except (nats.errors.Error, TimeoutError) as err:
+                    return err
+
+            info = await until(
+                add_routed_stream,
+                lambda r: not isinstance(r, Exception),
+                60,
+                "an R3 stream created over the authenticated routes",
+            )
+            assert len(info.cluster.replicas) == 2  # type: ignore[attr-defined]  # a copy on each other server
         finally:
             await nc.close()
 
