@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from schemas.parts import Part
 from schemas.tensor import WireTensor
 
-SCHEMA_VERSION = "1.1"  # 1.1: PromptGroup.history
+SCHEMA_VERSION = "1.2"  # 1.1: PromptGroup.history; 1.2: Sample.routed_experts
 SCHEMA_MAJOR = 1
 
 _ID = r"^[A-Za-z0-9_.:-]{1,200}$"
@@ -91,6 +91,9 @@ class Sample(BaseModel):
     """Decoded response text."""
     finish_reason: Literal["stop", "length", "abort"] = "stop"
     """Why generation ended."""
+    routed_experts: WireTensor | None = None
+    """Experts each token the model was fed went to (R3), uint8 or int16 `[prompt + tokens - 1, moe layers, top_k]`:
+    the prompt's tokens, then the response's but its last (never fed back); None when routing is not recorded."""
 
     @model_validator(mode="after")
     def _aligned(self) -> Sample:
@@ -129,6 +132,24 @@ class RolloutGroup(Message):
     worker_id: str = ""
     """Rollout worker that produced it."""
     timings: RolloutTimings = Field(default_factory=RolloutTimings)
+
+    @model_validator(mode="after")
+    def _routing_fits(self) -> RolloutGroup:
+        prompt = self.prompt_token_ids.numel
+        for i, s in enumerate(self.samples):
+            r = s.routed_experts
+            if r is None:
+                continue
+            if r.dtype not in ("uint8", "int16") or len(r.shape) != 3:
+                raise ValueError(
+                    f"sample {i}: routed_experts must be uint8/int16 [tokens, layers, top_k], got {r.dtype} {r.shape}"
+                )
+            if r.shape[0] != prompt + s.token_ids.numel - 1:
+                raise ValueError(
+                    f"sample {i}: routed_experts covers {r.shape[0]} tokens; prompt {prompt} + response "
+                    f"{s.token_ids.numel} - 1 = {prompt + s.token_ids.numel - 1} were fed to the model"
+                )
+        return self
 
 
 class RewardDetail(BaseModel):

@@ -46,6 +46,17 @@ def rollout(p: PromptGroup, version: int = 0) -> RolloutGroup:
     )
 
 
+def routed(r: RolloutGroup, layers: int = 2, k: int = 2) -> RolloutGroup:
+    """`r` with routed experts on every sample (R3): uint8 [prompt + tokens - 1, layers, k]."""
+    prompt = r.prompt_token_ids.numel
+    samples = []
+    for s in r.samples:
+        fed = prompt + s.token_ids.numel - 1
+        ids = WireTensor.from_values([i % 8 for i in range(fed * layers * k)], "uint8", (fed, layers, k))
+        samples.append(s.model_copy(update={"routed_experts": ids}))
+    return RolloutGroup(**{**dict(r), "samples": tuple(samples)})
+
+
 def scored(r: RolloutGroup) -> ScoredGroup:
     n = len(r.samples)
     return ScoredGroup(rollout=r, rewards=(1.0,) * n, details=(RewardDetail(components={"exact": 1.0}),) * n)

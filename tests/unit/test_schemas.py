@@ -42,6 +42,7 @@ def every_message():
         p,
         conversation,
         r,
+        f.routed(r.model_copy(update={"prompt": p.model_copy(update={"group_id": "g3-moe"})})),
         s,
         TrainGroup(
             scored=s,

@@ -119,7 +119,8 @@ class ModelConfig(Section):
     """Where the policy comes from."""
 
     source: str = "tiny"
-    """`tiny` (a small Llama built in code; `tiny:<hidden>x<layers>`), `tiny-omni` (a Qwen2.5-Omni thinker
+    """`tiny` (a small Llama built in code; `tiny:<hidden>x<layers>`), `tiny-moe` (a small Qwen3-MoE built in code,
+    8 experts, top-2; docs/r3.md), `tiny-omni` (a Qwen2.5-Omni thinker
     built in code with its processor: text, image, audio and video; docs/omni.md), a local Hugging Face
     directory, or `hf:<repo>` on machines with hub access."""
     seed: int = 0
@@ -201,6 +202,11 @@ class PipelineConfig(RunConfig):
             problems.append(
                 f"trainer.micro_batch_tokens ({budget}) cannot hold one sequence of rollout.max_new_tokens "
                 f"({self.rollout.max_new_tokens}) plus its prompt"
+            )
+        if self.trainer.routing_replay == "r3" and self.rollout.engine.type != "torch":
+            problems.append(
+                f"trainer.routing_replay r3 needs the rollout engine to record routed experts: only the torch engine "
+                f"does (rollout.engine is {self.rollout.engine.type}; docs/r3.md)"
             )
         if problems:
             raise ValueError("; ".join(problems))

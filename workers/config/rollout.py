@@ -70,9 +70,9 @@ class RolloutConfig(Section):
     """Generation."""
 
     engine: EngineConfig = Field(default_factory=TorchEngineConfig)
+    """Generation engine of the rollout workers: `torch`, `vllm`, or `{type: sim, ...}` (no model)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the engine runs: `auto` takes the GPU when CUDA is present."""
-    """Generation engine of the rollout workers: `torch`, `vllm`, or `{type: sim, ...}` (no model)."""
     temperature: float = Field(default=1.0, gt=0)
     """Sampling temperature (the trainer computes log-probs at the same temperature)."""
     top_p: float = Field(default=1.0, gt=0, le=1)

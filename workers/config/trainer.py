@@ -232,6 +232,14 @@ class TrainerConfig(Section):
     """Compute precision: `auto` is bf16 on CUDA (fp32 master weights; FSDP2 reduces in fp32) and fp32 on CPU."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass (less memory, ~30% more compute)."""
+    routing_replay: Literal["off", "r2", "r3"] = "off"
+    """Routing replay for mixture-of-experts policies (docs/r3.md): `r3` forces, in every training forward, the
+    experts the rollout engine routed each token to (recorded by the torch engine, carried on the samples); `r2`
+    records the trainer's own routing before a step's first update and forces it in the later updates (only
+    matters with mini_batches x ppo_epochs > 1); `off` lets the routers choose."""
+    routing_metrics_fraction: float = Field(default=0.125, gt=0, le=1)
+    """With `r3`: the fraction of each micro-batch's rows (at least one) forwarded once more without replay in a
+    step's first update, for `routing_mismatch_free`, the mismatch the trainer would have had without R3."""
     advantage: AdvantageConfig = Field(default_factory=GrpoAdvantage)
     """Advantage estimator: `grpo`, `drgrpo`, `rloo`, `reinforce_pp` or `reinforce_pp_baseline` (or
     `{type: grpo, eps: ..., whiten: true}`)."""
@@ -326,6 +334,21 @@ class TrainerConfig(Section):
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"rdzv_endpoint must be host:port (port 1-65535), got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _replay_fits(self) -> TrainerConfig:
+        if self.routing_replay == "off":
+            return self
+        if self.activation_checkpointing:
+            raise ValueError(
+                f"routing_replay {self.routing_replay} with activation_checkpointing: the recomputed forward would "
+                "replay the routing a second time; turn one of them off"
+            )
+        if self.world_size > 1:
+            raise ValueError(
+                f"routing_replay {self.routing_replay} runs in one trainer process: set nproc and nnodes to 1"
+            )
+        return self
 
     @model_validator(mode="after")
     def _rendezvous_needs_nodes(self) -> TrainerConfig:

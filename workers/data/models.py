@@ -4,6 +4,8 @@ Known sources:
 - `"tiny"` or `"tiny:<hidden>x<layers>"`: a LlamaForCausalLM built in code (4 heads, MLP 4x hidden,
   tied embeddings, fp32, 256 positions) with the byte tokenizer, deterministic from `seed`, saved
   as safetensors. Built once: a target directory that already holds the same build is reused.
+- `"tiny-moe"`: a tiny Qwen3-MoE (8 experts, top-2) over the byte tokenizer, built in code (`workers.moe.tiny`),
+  for routing replay (R3, docs/r3.md).
 - `"tiny-omni"`: a tiny Qwen2.5-Omni thinker (text, image, video, audio) with its processor, built in code
   (`workers.omni.tiny`); load it with `workers.omni.loading.load_omni`.
 - an existing local directory holding `config.json`: used as is.
@@ -18,6 +20,7 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +44,8 @@ log = get_logger(__name__)
 
 SOURCE_FILE = "relax_source.json"
 KNOWN_SOURCES = (
-    "'tiny', 'tiny:<hidden>x<layers>' (e.g. 'tiny:128x2'), 'tiny-omni', 'hf:<repo id>', or a local model directory"
+    "'tiny', 'tiny:<hidden>x<layers>' (e.g. 'tiny:128x2'), 'tiny-moe', 'tiny-omni', 'hf:<repo id>', "
+    "or a local model directory"
 )
 TINY_HEADS = 4
 TINY_POSITIONS = 256
@@ -54,6 +58,10 @@ def materialize(source: str, target_dir: Path, seed: int = 0) -> Path:
     if tiny:
         hidden, layers = (int(tiny[1]), int(tiny[2])) if tiny[1] else (128, 2)
         return _build_tiny(hidden, layers, Path(target_dir), seed)
+    if source == "tiny-moe":
+        from workers.moe.tiny import build_tiny_moe
+
+        return build_tiny_moe(Path(target_dir), seed)
     if source == "tiny-omni":
         from workers.omni.tiny import build_tiny_omni  # imported on demand: the media stack is not needed for text
 
@@ -104,15 +112,22 @@ def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
 
 
 def _build_tiny(hidden: int, layers: int, target_dir: Path, seed: int) -> Path:
-    """Build, save and return a tiny model directory, or reuse one that holds the same build."""
+    """Build, save and return a tiny Llama directory, or reuse one that holds the same build."""
     config = tiny_config(hidden, layers)
-    record = {"source": f"tiny:{hidden}x{layers}", "seed": seed}
+    return build_in_code(
+        {"source": f"tiny:{hidden}x{layers}", "seed": seed}, lambda: LlamaForCausalLM(config), target_dir
+    )
+
+
+def build_in_code(record: dict[str, Any], make: Callable[[], PreTrainedModel], target_dir: Path) -> Path:
+    """Build a model with `make()` (seeded by `record["seed"]`), save it with the byte tokenizer into `target_dir`
+    and return that directory; a directory that already holds the same build is reused."""
     if holds_build(target_dir, record):
         return target_dir
     staging = staging_dir(target_dir)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        torch.manual_seed(int(record["seed"]))
+        model = make()
     hf_logging.disable_progress_bar()
     model.save_pretrained(staging, safe_serialization=True)
     build_byte_tokenizer().save_pretrained(staging)
@@ -127,7 +142,7 @@ def _build_tiny(hidden: int, layers: int, target_dir: Path, seed: int) -> Path:
         )
     if install_build(staging, target_dir, record):
         params = sum(p.numel() for p in model.parameters())
-        log.info("model_built", source=record["source"], seed=seed, params=params, dir=str(target_dir))
+        log.info("model_built", source=record["source"], seed=record["seed"], params=params, dir=str(target_dir))
     return target_dir
 
 

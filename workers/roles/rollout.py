@@ -188,12 +188,17 @@ def group_seed(base: int, prompt: PromptGroup) -> int:
 
 
 def sample_of(g: Generated) -> Sample:
-    """A generated completion as a wire Sample."""
+    """A generated completion as a wire Sample (with its routed experts when the engine recorded them)."""
+    routed = None
+    if g.routing is not None:
+        dtype = "uint8" if g.routing.element_size() == 1 else "int16"
+        routed = WireTensor(dtype=dtype, shape=tuple(g.routing.shape), data=g.routing.contiguous().numpy().tobytes())
     return Sample(
         token_ids=WireTensor.from_values(g.token_ids, "int32"),
         logprobs=WireTensor.from_values(g.logprobs, "float32"),
         text=g.text,
         finish_reason=g.finish_reason,
+        routed_experts=routed,
     )
 
 
@@ -224,8 +229,9 @@ async def rollout_worker(
     model_dir = await asyncio.to_thread(materialize, cfg.model.source, cache_dir / "base", cfg.model.seed)
     engine_cfg = cfg.rollout.engine
     device = engine_device(cfg.rollout.device)
+    record = cfg.trainer.routing_replay == "r3"  # the experts of every token travel with the samples (docs/r3.md)
     engine = await asyncio.to_thread(
-        lambda: make_engine(engine_cfg.type, model_dir, device=device, **engine_cfg.options())
+        lambda: make_engine(engine_cfg.type, model_dir, device=device, record_routing=record, **engine_cfg.options())
     )
     engine.version = -1  # nothing loaded from the trainer yet: the first batch waits for v0
     options = options or WorkerOptions(concurrency=cfg.rollout.batch_groups)

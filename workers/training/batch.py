@@ -25,6 +25,7 @@ class Batch:
     lengths: tuple[int, ...]  # [N] prompt + response tokens of each row
     prompt_lengths: tuple[int, ...]  # [N] prompt tokens of each row
     group_of: tuple[int, ...]  # [N] the group (prompt) each row answers, 0..B-1
+    routing: tuple[torch.Tensor, ...] = ()  # [N] x [len - 1, layers, k]: the rollout's routed experts (R3), or ()
 
     def rows(self, rows: Sequence[int], device: torch.device) -> Batch:
         """The rows `rows` cut to their longest sequence, on `device` (rewards stay whole, on the CPU)."""
@@ -44,18 +45,20 @@ class Batch:
             lengths=tuple(self.lengths[r] for r in rows),
             prompt_lengths=tuple(self.prompt_lengths[r] for r in rows),
             group_of=tuple(self.group_of[r] for r in rows),
+            routing=tuple(self.routing[r] for r in rows) if self.routing else (),
         )
 
 
 def make_batch(groups: Sequence[TrainGroup]) -> Batch:
     """Pack B train groups of n samples each into padded tensors."""
     rows: list[tuple[list[int], list[int], list[float], list[float] | None]] = []
-    rewards, group_of = [], []
+    rewards, group_of, routing = [], [], []
     for index, g in enumerate(groups):
         rollout = g.scored.rollout
         prompt = list(rollout.prompt_token_ids.to_values())
         rewards.append(list(g.scored.rewards))
         for i, s in enumerate(rollout.samples):
+            routing.append(routed_experts(s.routed_experts))
             ref = list(g.ref_logprobs[i].to_values()) if g.ref_logprobs is not None else None
             rows.append((prompt, list(s.token_ids.to_values()), list(s.logprobs.to_values()), ref))  # type: ignore[arg-type]
             group_of.append(index)
@@ -84,7 +87,16 @@ def make_batch(groups: Sequence[TrainGroup]) -> Batch:
         tuple(len(p) + len(r) for p, r, _, _ in rows),
         tuple(len(p) for p, _, _, _ in rows),
         tuple(group_of),
+        tuple(r for r in routing if r is not None) if all(r is not None for r in routing) else (),
     )
+
+
+def routed_experts(t: WireTensor | None) -> torch.Tensor | None:
+    """A sample's routed experts as a [tokens, layers, k] integer tensor (a copy: the wire bytes stay read-only)."""
+    if t is None:
+        return None
+    dtype = torch.uint8 if t.dtype == "uint8" else torch.int16
+    return torch.frombuffer(bytearray(t.data), dtype=dtype).view(t.shape)
 
 
 def untrainable(group: TrainGroup, vocab_size: int) -> str | None:

@@ -13,6 +13,10 @@ updates on them (see `workers.training.microbatch` for how they are cut):
                 + kl_coef * aggregate(kl_penalty(logp, logp_ref))    # when a reference is in the chain
       clip the gradient norm; AdamW update; lr schedule step
 
+With `trainer.routing_replay` (mixture-of-experts policies) every forward is forced to the experts the rollout
+engine routed each token to (r3), or to the trainer's own routing before the first update (r2); see
+`workers.training.routing_replay`.
+
 Each distinct prompt of a micro-batch is forwarded once and its key/value cache reused for the group's
 responses (`workers.training.shared_prompt`; `trainer.shared_prompt`, on by default in one process).
 
@@ -54,7 +58,7 @@ from workers.data.models import load_model, load_tokenizer
 from workers.data.tasks import TaskItem
 from workers.errors import CheckpointRefused
 from workers.training.advantages import group_advantages, overlong_penalty
-from workers.training.batch import Batch, make_batch
+from workers.training.batch import Batch, make_batch, untrainable
 from workers.training.corrections import CORRECTION_METRICS
 from workers.training.devices import autocast, compute_dtype, resolve_device
 from workers.training.logprobs import token_logprobs
@@ -62,6 +66,7 @@ from workers.training.losses import aggregate, kl_penalty, normalizer_of
 from workers.training.microbatch import pack, pack_groups, split_even
 from workers.training.optim import make_optimizer, make_scheduler
 from workers.training.policy_losses import LOSS_METRICS, policy_loss
+from workers.training.routing_replay import TrainerRouting
 from workers.training.shared_prompt import grouped_logprobs, place
 
 log = get_logger(__name__)
@@ -107,6 +112,10 @@ class PolicyTrainer:
             self._shard()
         # One forward per backward under FSDP2 and with checkpointing (which turns the KV cache off).
         self.shared_prompt = self.cfg.shared_prompt and self.world == 1 and not self.cfg.activation_checkpointing
+        replay = self.cfg.routing_replay
+        self.routing = (
+            None if replay == "off" else TrainerRouting(self.model, replay, self.cfg.routing_metrics_fraction)
+        )
         self.optimizer = make_optimizer(self.model, self.cfg.lr, self.cfg.weight_decay)
         self.scheduler = make_scheduler(
             self.optimizer,
@@ -168,6 +177,13 @@ class PolicyTrainer:
 
     # ---- RL step -----------------------------------------------------------------------------------------
 
+    def untrainable(self, group: TrainGroup) -> str | None:
+        """Why `group` cannot go into a step (`workers.training.batch.untrainable`, and R3's routing), or None."""
+        why = untrainable(group, self.vocab_size)
+        if why is None and self.routing is not None:
+            why = self.routing.problem(group)
+        return why
+
     def step(self, groups: Sequence[TrainGroup]) -> dict[str, float]:
         """The step's optimizer updates on the groups; returns the step's metrics (means over its updates)."""
         started = time.perf_counter()
@@ -177,7 +193,11 @@ class PolicyTrainer:
         adv = group_advantages(rewards, estimator.type, estimator.eps, estimator.whiten).reshape(-1)  # [N]
         plans = [self._plan(batch, rows) for rows in split_even(batch.ids.shape[0], self.cfg.mini_batches)]
         one_update = self.cfg.updates_per_step == 1
+        if self.routing is not None:
+            self.routing.begin_step()
         old = None if one_update else self._old_logprobs(batch, plans)
+        if old is not None and self.routing is not None:
+            self.routing.measured()  # in the pass before the first update, on the old policy
         totals: dict[str, float] = defaultdict(float)
         largest: dict[str, float] = defaultdict(float)
         for _ in range(self.cfg.ppo_epochs):
@@ -187,12 +207,15 @@ class PolicyTrainer:
                         largest[name] = max(largest[name], value)
                     else:
                         totals[name] += value
+                if self.routing is not None:
+                    self.routing.measured()
         updates = self.cfg.updates_per_step
         rewards = batch.rewards
         return {
             **{name: value / updates for name, value in totals.items()},
             **largest,
             **shaping,
+            **(self.routing.metrics() if self.routing is not None else {}),
             "updates": float(updates),
             "lr": float(self.scheduler.get_last_lr()[0]),
             "reward_mean": float(rewards.mean()),
@@ -238,7 +261,7 @@ class PolicyTrainer:
                 if not rows:
                     self._empty_forward(backward=False)
                     continue
-                _, logp = self._forward(batch, rows)
+                _, logp = self._forward(batch, rows, old_pass=True)
                 old[torch.tensor(rows), : logp.shape[1]] = logp.float().cpu()
         return old
 
@@ -305,9 +328,18 @@ class PolicyTrainer:
         out["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         return out
 
-    def _forward(self, batch: Batch, rows: list[int]) -> tuple[Batch, torch.Tensor]:
-        """The rows on this rank's device and their token log-probs [rows, width-1] (with grad when enabled)."""
-        mb = batch.rows(rows, self.device)
+    def _forward(self, batch: Batch, rows: list[int], old_pass: bool = False) -> tuple[Batch, torch.Tensor]:
+        """The rows on this rank's device and their token log-probs [rows, width-1] (with grad when enabled),
+        under routing replay when it is on (`old_pass`: the no-grad pass before the first update)."""
+        if self.routing is None:
+            return self._logprobs(batch.rows(rows, self.device))
+        with self.routing.forward(self.model, batch, rows, self.shared_prompt, old_pass) as replayer:
+            mb, logp = self._logprobs(batch.rows(rows, self.device))
+        with self.autocast():
+            self.routing.measure(self.model, mb, logp, replayer, self.config.rollout.temperature)
+        return mb, logp
+
+    def _logprobs(self, mb: Batch) -> tuple[Batch, torch.Tensor]:
         temperature = self.config.rollout.temperature
         with self.autocast():
             if not self.shared_prompt:
