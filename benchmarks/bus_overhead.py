@@ -49,7 +49,7 @@ from relax_bus.settings import ConnectionSettings
 from relax_bus.version import VersionTracker
 from relax_bus.worker import Worker, WorkerOptions
 from schemas import PromptGroup, RolloutGroup, TrainGroup, encode
-from workers.config import PipelineConfig, load_config
+from workers.config import PipelineConfig, load_config, task_spec
 from workers.data.models import materialize
 from workers.data.prompts import prompt_ids
 from workers.data.tasks import load_task, prompt_text
@@ -94,7 +94,7 @@ def compute_step(
     torch.set_num_threads(1)
     engine, trainer = TorchEngine(model_dir), PolicyTrainer(model_dir, config)
     scorer = make_scorer_from(config)
-    items = load_task({"type": config.task.type, **config.task.options})
+    items = load_task(task_spec(config.task))
     tok = trainer.tokenizer
     prompts = [
         PromptGroup(

@@ -46,7 +46,7 @@ from relax_bus.connection import connect
 from relax_bus.server import EmbeddedServer
 from relax_bus.settings import ConnectionSettings
 from schemas import PromptGroup, RolloutGroup, RunEvent, TrainGroup, WireTensor, decode
-from workers.config import PipelineConfig, load_config
+from workers.config import PipelineConfig, load_config, task_spec
 from workers.data.models import materialize
 from workers.data.prompts import prompt_ids
 from workers.data.tasks import load_task, prompt_text
@@ -76,7 +76,7 @@ def warm_start(base: PipelineConfig, work: Path) -> tuple[Path, dict[str, float]
     torch.set_num_threads(1)  # as the actor does it (two threads stall on a shared two-core machine)
     model_dir = materialize(base.model.source, work / "base", base.model.seed)
     trainer = PolicyTrainer(model_dir, base)
-    info = trainer.warmup(load_task({"type": base.task.type, **base.task.options}))
+    info = trainer.warmup(load_task(task_spec(base.task)))
     warm = work / "warm"
     trainer.model.save_pretrained(warm, safe_serialization=True)
     trainer.tokenizer.save_pretrained(warm)
@@ -88,10 +88,10 @@ class Colocated:
 
     def __init__(self, config: PipelineConfig, model_dir: Path) -> None:
         self.config = config
-        self.engine = TorchEngine(model_dir)
+        self.engine = TorchEngine(model_dir, record_routing=config.trainer.routing_replay == "r3")
         self.trainer = PolicyTrainer(model_dir, config)
         self.scorer = make_scorer_from(config)
-        self.items = load_task({"type": config.task.type, **config.task.options})
+        self.items = load_task(task_spec(config.task))
         r = config.rollout
         self.sampling = SamplingSettings(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
         self.released = 0

@@ -261,20 +261,17 @@ def _routes(
     """Each row's routing from a recorded `_sample`: [prompt + length - 1, layers, k] per row (B = prompts x n).
 
     `calls[0]` is the left-padded prefill [P x W, layers, k]; `calls[1 + s]` is decode step s [B, layers, k], which
-    fed response token s. A row's last token was never fed back, so it has no routing.
+    fed response token s. A row's last token was never fed back, so it has no routing. The rows are views of one
+    [B, W + S - 1, layers, k] tensor, converted to the wire's integer type once.
     """
     width = max(len(p) for p in prompts)
-    prefill = calls[0].view(len(prompts), width, *calls[0].shape[1:])  # [P, W, layers, k]
-    decode = (
-        torch.stack(calls[1:], dim=1) if len(calls) > 1 else prefill[:, :0].repeat_interleave(n, 0)
-    )  # [B, S-1, ...]
     dtype = id_dtype(experts)
-    out = []
-    for row, length in enumerate(lengths.tolist()):
-        prompt = prompts[row // n]
-        fed = torch.cat([prefill[row // n, width - len(prompt) :], decode[row, : length - 1]])
-        out.append(fed.to(dtype).cpu())
-    return out
+    prefill = calls[0].to(dtype).view(len(prompts), width, *calls[0].shape[1:])  # [P, W, layers, k]
+    rows = prefill.repeat_interleave(n, dim=0)  # [B, W, layers, k]
+    if len(calls) > 1:
+        rows = torch.cat([rows, torch.stack(calls[1:], dim=1).to(dtype)], dim=1)  # [B, W + S - 1, layers, k]
+    rows = rows.cpu()
+    return [rows[r, width - len(prompts[r // n]) : width + length - 1] for r, length in enumerate(lengths.tolist())]
 
 
 def _draw(logp: torch.Tensor, top_p: float, generator: torch.Generator | list[torch.Generator] | None) -> torch.Tensor:
