@@ -30,6 +30,7 @@ large MoE models; veRL's R3 cost 32 %. Prints the tables, writes JSON.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -230,6 +231,9 @@ def main() -> None:
     parser.add_argument("--reward-steps", type=int, default=150)
     parser.add_argument("--reward-noise", type=float, default=0.05, help="simulated engine router noise")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--parts", default="overhead,mismatch,reward", help="which tables to measure (the JSON keeps the others' last)"
+    )
     parser.add_argument("--work-dir", type=Path, default=Path("runs/bench-r3"))
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "r3.json")
     args = parser.parse_args()
@@ -238,9 +242,24 @@ def main() -> None:
     model_dir = materialize("tiny-moe", args.work_dir / "base", config.model.seed)
     prompts, ids = prompts_of(config, TorchEngine(model_dir).tokenizer)
 
-    rollout = rollout_overhead(args, model_dir, config, prompts, ids)
-    groups = rollout.pop("groups")
-    trainer = trainer_overhead(args, model_dir, groups)
+    parts = set(args.parts.split(","))
+    previous = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    results = {key: previous.get(key) for key in ("rollout", "trainer", "mismatch", "reward")}
+    if "overhead" in parts:
+        rollout = rollout_overhead(args, model_dir, config, prompts, ids)
+        rollout_groups = rollout.pop("groups")
+        results["rollout"], results["trainer"] = rollout, trainer_overhead(args, model_dir, rollout_groups)
+        print_overhead(args, results["rollout"], results["trainer"])
+    if "mismatch" in parts:
+        results["mismatch"] = mismatch_rows(args, model_dir, config, prompts, ids)
+        print_mismatch(results["mismatch"])
+    if "reward" in parts:
+        results["reward"] = reward_runs(args, args.work_dir)
+        print_reward(args, results["reward"])
+    write_results("r3", args.out, {"args": {k: str(v) for k, v in vars(args).items()}, **results})
+
+
+def print_overhead(args: argparse.Namespace, rollout: dict[str, Any], trainer: dict[str, Any]) -> None:
     print(f"\nR3 overhead, tiny-moe, {args.prompts} prompts x {args.samples} samples, median of {args.repeat}")
     print("| measure | off | R3 on | change | paper / target |")
     print("|---|---|---|---|---|")
@@ -261,7 +280,8 @@ def main() -> None:
         f"{rollout['routing_bytes_per_response_token']:.1f} B per response token | |"
     )
 
-    rows = mismatch_rows(args, model_dir, config, prompts, ids)
+
+def print_mismatch(rows: list[dict[str, Any]]) -> None:
     print("\nRollout-vs-trainer log-prob mismatch (mean | max over response tokens)")
     print("| case | agreement | without replay | with R3 | reduction mean / max |")
     print("|---|---|---|---|---|")
@@ -273,24 +293,14 @@ def main() -> None:
         )
     print("(paper: ~38 % lower mismatch with R3)")
 
-    rewards = reward_runs(args, args.work_dir)
+
+def print_reward(args: argparse.Namespace, rewards: dict[str, Any]) -> None:
     print(f"\nReward, colocated GRPO on the demo task after the warm-up, {args.reward_steps} steps")
     print("| routing_replay, engine | first 10 steps | last 10 steps | seconds |")
     print("|---|---|---|---|")
     for case, r in rewards.items():
         if case != "warmup":
             print(f"| {case} | {r['first_10']:.3f} | {r['last_10']:.3f} | {r['seconds']:.0f} |")
-    write_results(
-        "r3",
-        args.out,
-        {
-            "args": {k: str(v) for k, v in vars(args).items()},
-            "rollout": rollout,
-            "trainer": trainer,
-            "mismatch": rows,
-            "reward": rewards,
-        },
-    )
 
 
 if __name__ == "__main__":
