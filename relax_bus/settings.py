@@ -105,6 +105,9 @@ class StalenessConfig(BaseModel):
     """What the trainer does with a stale group: drop it, or send its prompt back for fresh generation."""
     max_requeues: int = Field(default=2, ge=0)
     """How often one prompt group may be requeued before it is dropped."""
+    mask_stale_tokens: bool = False
+    """With partial rollouts (`rollout.partial`), judge a group by its newest token instead of its oldest, and
+    leave its tokens older than `max_staleness` out of the loss instead of dropping the whole group."""
 
     @model_validator(mode="before")
     @classmethod

@@ -1,6 +1,7 @@
 """The consumer-side staleness filter, as middleware for roles that consume train groups.
 
-It applies `staleness.decide` against the trainer's current policy version. A stale group is
+It applies `staleness.decide` against the trainer's current policy version, to the group's oldest token's
+version (its `policy_version`), or with `staleness.mask_stale_tokens` to its newest. A stale group is
 dropped (`Drop`, reason recorded, the feeder gets the credit back through the dropped-groups counter)
 or, with `action: requeue`, its prompt is republished as the next attempt and the train message is
 acked (`Skip`). Fresh groups pass. Two forms: `admit_fresh`, the admission step of a batch role (the
@@ -63,8 +64,11 @@ async def judge(bus: Bus, group: TrainGroup, version: int) -> Decision:
     not counted twice.
     """
     rule = bus.config.staleness
-    prompt = group.scored.rollout.prompt
-    d = decide(version, group.policy_version, rule.max_staleness, rule.action, prompt.attempt, rule.max_requeues)
+    rollout = group.scored.rollout
+    prompt = rollout.prompt
+    # By its oldest token; with mask_stale_tokens by its newest, the older tokens masked by the trainer.
+    sample_version = rollout.newest_version if rule.mask_stale_tokens else group.policy_version
+    d = decide(version, sample_version, rule.max_staleness, rule.action, prompt.attempt, rule.max_requeues)
     if d.verdict is Verdict.REQUEUE:
         again = prompt.model_copy(update={"attempt": prompt.attempt + 1, "released_at_version": version})
         await bus.publish("prompts", again)

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from schemas.parts import Part
 from schemas.tensor import WireTensor
 
-SCHEMA_VERSION = "1.2"  # 1.1: PromptGroup.history; 1.2: Sample.routed_experts
+SCHEMA_VERSION = "1.3"  # 1.1: PromptGroup.history; 1.2: Sample.routed_experts; 1.3: Sample.version_spans
 SCHEMA_MAJOR = 1
 
 _ID = r"^[A-Za-z0-9_.:-]{1,200}$"
@@ -91,6 +91,9 @@ class Sample(BaseModel):
     """Decoded response text."""
     finish_reason: Literal["stop", "length", "abort"] = "stop"
     """Why generation ended."""
+    version_spans: tuple[tuple[int, int], ...] = ()
+    """The policy version of every token, run-length: `((version, tokens), ...)` in token order, counts adding up
+    to the response's length; empty when one version generated the whole response (the group's)."""
     routed_experts: WireTensor | None = None
     """Experts each token the model was fed went to (R3), uint8 or int16 `[prompt + tokens - 1, moe layers, top_k]`:
     the prompt's tokens, then the response's but its last (never fed back); None when routing is not recorded."""
@@ -101,7 +104,18 @@ class Sample(BaseModel):
             raise ValueError(
                 f"token_ids shape {self.token_ids.shape} differs from logprobs shape {self.logprobs.shape}"
             )
+        if self.version_spans:
+            if any(v < 0 or n < 1 for v, n in self.version_spans):
+                raise ValueError(f"version_spans need versions >= 0 and counts >= 1: {self.version_spans}")
+            covered = sum(n for _, n in self.version_spans)
+            if covered != self.token_ids.numel:
+                raise ValueError(f"version_spans cover {covered} tokens of a {self.token_ids.numel}-token response")
         return self
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest version among the response's tokens; None without spans."""
+        return min(v for v, _ in self.version_spans) if self.version_spans else None
 
 
 class RolloutTimings(BaseModel):
@@ -132,6 +146,21 @@ class RolloutGroup(Message):
     worker_id: str = ""
     """Rollout worker that produced it."""
     timings: RolloutTimings = Field(default_factory=RolloutTimings)
+
+    @property
+    def newest_version(self) -> int:
+        """The newest version among the samples' tokens (the group's version when no sample has spans)."""
+        return max((v for s in self.samples for v, _ in s.version_spans), default=self.policy_version)
+
+    @model_validator(mode="after")
+    def _oldest_version_decides(self) -> RolloutGroup:
+        oldest = [v for s in self.samples if (v := s.oldest_version) is not None]
+        if oldest and min(oldest) != self.policy_version:
+            raise ValueError(
+                f"policy_version {self.policy_version} is not the oldest version among the samples' tokens "
+                f"({min(oldest)}): the staleness rule judges a group by its oldest token"
+            )
+        return self
 
     @model_validator(mode="after")
     def _routing_fits(self) -> RolloutGroup:

@@ -208,6 +208,11 @@ class PipelineConfig(RunConfig):
                 f"trainer.routing_replay r3 needs the rollout engine to record routed experts: only the torch engine "
                 f"does (rollout.engine is {self.rollout.engine.type}; docs/r3.md)"
             )
+        if self.trainer.routing_replay == "r3" and self.rollout.partial != "off":
+            problems.append(
+                f"trainer.routing_replay r3 with rollout.partial {self.rollout.partial}: a continued response's "
+                "prefix was routed under older weights than the rest, and routing spans are not recorded; turn one off"
+            )
         if problems:
             raise ValueError("; ".join(problems))
         return self

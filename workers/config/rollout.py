@@ -85,3 +85,10 @@ class RolloutConfig(Section):
     """Base of every group's sampling seed: a group's samples then depend on this, the group's id and
     attempt, and the weights, not on batching, timing or the worker (up to the engine's rounding, which
     differs between batch shapes); null samples afresh every time."""
+    partial: Literal["off", "continue", "restart"] = "off"
+    """Partial rollouts (docs/algorithms.md): generate in chunks of `partial_chunk` tokens and look for a newer
+    policy version between chunks. `continue` keeps the tokens so far and generates the rest under the new weights
+    (every token carries the version that produced it); `restart` drops them and starts the group over under the
+    new weights (once per group, then it continues); `off` generates each call with one version."""
+    partial_chunk: int = Field(default=16, ge=1)
+    """New tokens per chunk with `partial` on: the longest a row runs on weights older than the newest published."""

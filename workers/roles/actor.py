@@ -243,7 +243,7 @@ class Actor:
         lags = collections.Counter(version - h.message.policy_version for h in batch)
         # In release order, not arrival order: the update does not depend on which worker answered first.
         groups = sorted((h.message for h in batch), key=lambda g: g.scored.rollout.prompt.release_index)
-        metrics = await asyncio.to_thread(self.trainer.step, groups)
+        metrics = await asyncio.to_thread(self.trainer.step, groups, version)
         sync_started = time.perf_counter()
         await self._published()  # v is readable before v+1 starts: versions advance in order
         snapshot = await asyncio.to_thread(self._snapshot)

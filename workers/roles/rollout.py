@@ -3,9 +3,10 @@
 Prompt groups fetched by the worker loop are collected into one engine call (up to
 `rollout.batch_groups` groups). Before every call the worker loads the newest published weights, and
 it never generates with weights older than `trainer version - max_staleness` (it waits for them).
-Each group is stamped with the version of the weights that generated it. A prompt that can never be
-generated (a media reference that points nowhere, text the tokenizer refuses, more tokens than the
-model's context) is dead-lettered on its own with the reason, before it could fail a whole batch.
+Each group is stamped with the version of the weights that generated it (with `rollout.partial`, its oldest
+token's version; every token's version travels in `Sample.version_spans`, see `workers.roles.partial`). A
+prompt that can never be generated (a media reference that points nowhere, text the tokenizer refuses, more tokens
+than the model's context) is dead-lettered on its own with the reason, before it could fail a whole batch.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from workers.data.models import load_tokenizer, materialize
 from workers.data.prompts import prompt_ids
 from workers.data.tasks import prompt_text
 from workers.engines.base import Engine, Generated, SamplingSettings, make_engine
+from workers.roles.partial import generate_partial
 from workers.roles.serve import RoleContext, run_worker
 from workers.weights import WeightTransport, make_transport
 
@@ -126,25 +128,44 @@ class Rollout:
         version = self.engine.version
         ids = [r.ids for r in requests]
         n = self.bus.config.samples_per_group
-        base = self.bus.config.rollout.seed
-        seeds = None if base is None else [group_seed(base, r.prompt) for r in requests]
+        cfg = self.bus.config.rollout
+        seeds = None if cfg.seed is None else [group_seed(cfg.seed, r.prompt) for r in requests]
         started = time.perf_counter()
-        outputs = await asyncio.to_thread(self.engine.generate, ids, n, self.sampling, seeds)
+        if cfg.partial == "off":
+            outputs = await asyncio.to_thread(self.engine.generate, ids, n, self.sampling, seeds)
+            groups = [tuple(sample_of(g) for g in samples) for samples in outputs]
+        else:
+            chunked = await generate_partial(
+                self.engine, ids, n, self.sampling, seeds, cfg.partial_chunk, cfg.partial, self._refresh
+            )
+            groups = [tuple(sample_of(p.generated, p.spans) for p in samples) for samples in chunked]
         elapsed = time.perf_counter() - started
         return [
             RolloutGroup(
                 prompt=r.prompt,
                 prompt_token_ids=WireTensor.from_values(prompt_ids, "int32"),
-                samples=tuple(sample_of(g) for g in samples),
-                policy_version=version,
+                samples=samples,
+                policy_version=min((v for s in samples if (v := s.oldest_version) is not None), default=version),
                 engine=self.engine.name,
                 worker_id=self.worker_id,
                 timings=RolloutTimings(
                     queued_s=max(0.0, time.time() - r.received - elapsed), generate_s=elapsed, weight_sync_s=sync_s
                 ),
             )
-            for r, prompt_ids, samples in zip(requests, ids, outputs, strict=True)
+            for r, prompt_ids, samples in zip(requests, ids, groups, strict=True)
         ]
+
+    async def _refresh(self) -> bool:
+        """Between two chunks of a partial rollout: load the newest weights if there are newer ones; say whether.
+        A failed fetch or load is logged and the rows go on under the weights they have (deliberate: the version
+        that failed never labels a token, and the next chunk tries again)."""
+        held = self.engine.version
+        try:
+            await self.sync_weights()
+        except Exception as err:  # tolerated: see the docstring
+            log.warning("partial_weights_not_loaded", held=held, error=f"{type(err).__name__}: {err}")
+            return False
+        return self.engine.version > held
 
     def _encode(self, prompt: PromptGroup) -> list[int]:
         """Prompt token ids (`workers.data.prompts`); Reject when the text cannot be tokenised or leaves no room."""
@@ -187,8 +208,9 @@ def group_seed(base: int, prompt: PromptGroup) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") % (1 << 31)
 
 
-def sample_of(g: Generated) -> Sample:
-    """A generated completion as a wire Sample (with its routed experts when the engine recorded them)."""
+def sample_of(g: Generated, spans: tuple[tuple[int, int], ...] = ()) -> Sample:
+    """A generated completion as a wire Sample (with its routed experts when the engine recorded them, and the
+    version spans of a partial rollout; one span, a single version, is left implicit)."""
     routed = None
     if g.routing is not None:
         dtype = "uint8" if g.routing.element_size() == 1 else "int16"
@@ -199,6 +221,7 @@ def sample_of(g: Generated) -> Sample:
         text=g.text,
         finish_reason=g.finish_reason,
         routed_experts=routed,
+        version_spans=spans if len(spans) > 1 else (),
     )
 
 

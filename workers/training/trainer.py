@@ -33,6 +33,7 @@ whole mini-batch on every rank, so tokens weigh as in one process whatever the r
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 import time
@@ -58,7 +59,7 @@ from workers.data.models import load_model, load_tokenizer
 from workers.data.tasks import TaskItem
 from workers.errors import CheckpointRefused
 from workers.training.advantages import group_advantages, overlong_penalty
-from workers.training.batch import Batch, make_batch, untrainable
+from workers.training.batch import Batch, make_batch, older_tokens, untrainable
 from workers.training.corrections import CORRECTION_METRICS
 from workers.training.devices import autocast, compute_dtype, resolve_device
 from workers.training.logprobs import token_logprobs
@@ -184,10 +185,17 @@ class PolicyTrainer:
             why = self.routing.problem(group)
         return why
 
-    def step(self, groups: Sequence[TrainGroup]) -> dict[str, float]:
-        """The step's optimizer updates on the groups; returns the step's metrics (means over its updates)."""
+    def step(self, groups: Sequence[TrainGroup], version: int | None = None) -> dict[str, float]:
+        """The step's optimizer updates on the groups (trained at policy `version`); the step's metrics (means over
+        its updates). With `staleness.mask_stale_tokens`, tokens older than `version - max_staleness` are masked."""
         started = time.perf_counter()
         batch = make_batch(groups)
+        masked: dict[str, float] = {}
+        bound = self.config.staleness.max_staleness
+        if self.config.staleness.mask_stale_tokens and bound is not None and version is not None:
+            older = older_tokens(groups, batch, version - bound)
+            batch = dataclasses.replace(batch, mask=batch.mask * (1 - older))
+            masked = {"masked_stale_tokens": float(older.sum())}
         rewards, shaping = self._shaped_rewards(batch)  # [B, n]
         estimator = self.cfg.advantage
         adv = group_advantages(rewards, estimator.type, estimator.eps, estimator.whiten).reshape(-1)  # [N]
@@ -215,6 +223,7 @@ class PolicyTrainer:
             **{name: value / updates for name, value in totals.items()},
             **largest,
             **shaping,
+            **masked,
             **(self.routing.metrics() if self.routing is not None else {}),
             "updates": float(updates),
             "lr": float(self.scheduler.get_last_lr()[0]),
