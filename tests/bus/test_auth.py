@@ -277,10 +277,15 @@ class FakeTrainer:
     def __init__(self) -> None:
         self.steps = 0
 
+    def untrainable(self, group: Any) -> str | None:
+        from workers.training.batch import untrainable
+
+        return untrainable(group, self.vocab_size)
+
     def warmup(self, items: list[Any]) -> dict[str, float]:
         return {"warmup_steps": 0.0, "warmup_accuracy": 0.0}
 
-    def step(self, groups: list[Any]) -> dict[str, float]:
+    def step(self, groups: list[Any], version: int | None = None) -> dict[str, float]:
         self.steps += 1
         rewards = [r for g in groups for r in g.scored.rewards]
         return {"reward_mean": sum(rewards) / len(rewards), "loss": 0.0}
@@ -294,7 +299,13 @@ class FakeTrainer:
         self.steps = int(state["w"][0])
 
     def checkpoint_bytes(self, extra: dict[str, Any]) -> bytes:
-        return json.dumps({"steps": self.steps, "extra": extra}).encode()
+        return self.serialize_checkpoint(self.checkpoint_state(extra))
+
+    def checkpoint_state(self, extra: dict[str, Any]) -> dict[str, Any]:
+        return {"steps": self.steps, "extra": dict(extra)}
+
+    def serialize_checkpoint(self, state: dict[str, Any]) -> bytes:
+        return json.dumps(state).encode()
 
     def restore(self, data: bytes) -> dict[str, Any]:
         saved = json.loads(data)

@@ -24,7 +24,7 @@ from workers.data.models import SOURCE_FILE, load_model, load_tokenizer, materia
 from workers.errors import CheckpointRefused, ExportFailed
 from workers.launch.embedded import serve_run_dir
 from workers.roles.actor_state import CHECKPOINT_PREFIX, checkpoint_step
-from workers.training.trainer import read_checkpoint
+from workers.training.checkpoint_io import read_checkpoint
 
 
 @contextlib.asynccontextmanager

@@ -154,6 +154,12 @@ class Actor:
         """The weights publish in progress (its result: the seconds it took)."""
         self._publish_s: float | None = None
         """How long the last finished background publish took."""
+        self._saving: asyncio.Task[None] | None = None
+        """The checkpoint save in progress."""
+        self.checkpoint_path_s: float | None = None
+        """Seconds the last checkpoint held the step up (its snapshot)."""
+        self.checkpoint_s: float | None = None
+        """Seconds the last background checkpoint save took (serialise, upload, record)."""
 
     # ---- setup -------------------------------------------------------------------------------------------
 
@@ -209,6 +215,7 @@ class Actor:
             finally:
                 stopper.cancel()
                 await self._published()  # the last version is readable before the run says it is done
+        await self._checkpointed()  # and the last checkpoint is whole
         if self.state.step >= self.cfg.trainer.steps:
             await self._put(DONE_KEY, str(self.state.step))
             log.info("actor_done", step=self.state.step, version=self.state.version)
@@ -255,6 +262,8 @@ class Actor:
             self.state.trained.add(g.scored.rollout.prompt.release_index)
         if self._publish_s is not None:
             metrics = {**metrics, "weight_publish_s": self._publish_s}
+        if self.checkpoint_s is not None and self.checkpoint_path_s is not None:
+            metrics = {**metrics, "checkpoint_path_s": self.checkpoint_path_s, "checkpoint_s": self.checkpoint_s}
         self._step = (metrics, lags, time.perf_counter() - sync_started)
 
     async def settled(self, batch: Sequence[Held[TrainGroup]]) -> None:
@@ -348,23 +357,43 @@ class Actor:
         return phases
 
     async def _checkpoint(self) -> None:
+        """Snapshot model, optimizer, schedule and actor state now (at this step's ack floor); serialise, upload and
+        record them in the background while the next steps train. The KV record names a checkpoint only once its
+        object is whole, so a crash mid-upload resumes from the previous one; one save runs at a time, and the
+        run's end (SIGTERM too) waits for it."""
+        await self._checkpointed()
         await self._published()  # the checkpoint's version is readable
         info = await through_outage(lambda: self.bus.js.consumer_info(self.stream, self.durable), "read ack floor")
         floor = info.ack_floor.stream_seq if info.ack_floor else 0
         self.state.floor = floor
-        extra = self.state.to_extra()
-        data = await asyncio.to_thread(self.trainer.checkpoint_bytes, extra)
-        name = f"{CHECKPOINT_PREFIX}{self.state.step}"
+        started = time.perf_counter()
+        state = await asyncio.to_thread(self.trainer.checkpoint_state, self.state.to_extra())
+        self.checkpoint_path_s = time.perf_counter() - started
+        save = self._save_checkpoint(state, self.state.step, self.state.version, floor)
+        self._saving = asyncio.create_task(save, name="save-checkpoint")
+
+    async def _checkpointed(self) -> None:
+        """Wait for the checkpoint being saved, if any (its failure is raised here)."""
+        if self._saving is not None:
+            task, self._saving = self._saving, None
+            await task
+
+    async def _save_checkpoint(self, state: dict[str, Any], step: int, version: int, floor: int) -> None:
+        started = time.perf_counter()
+        data = await asyncio.to_thread(self.trainer.serialize_checkpoint, state)
+        del state
+        name = f"{CHECKPOINT_PREFIX}{step}"
         await through_outage(lambda: self.bus.weights.put(name, data), f"put checkpoint {name}")
         old = await self._checkpoint_record()
         kept, pruned = retain_checkpoints(
             [*(old or {}).get("kept", [(old or {}).get("object")]), name], self.cfg.trainer
         )
-        record = {"object": name, "step": self.state.step, "version": self.state.version, "floor": floor, "kept": kept}
+        record = {"object": name, "step": step, "version": version, "floor": floor, "kept": kept}
         await self._put(CHECKPOINT_KEY, json.dumps(record))
         for gone in pruned:
             await through_outage(functools.partial(self.bus.weights.delete, gone), f"delete checkpoint {gone}")
-        log.info("checkpoint_saved", **record)
+        self.checkpoint_s = time.perf_counter() - started
+        log.info("checkpoint_saved", seconds=round(self.checkpoint_s, 3), **record)
 
     async def _put_dropped(self) -> None:
         await self._put(DROPPED_KEY, str(self.state.dropped))

@@ -28,7 +28,7 @@ from workers.training.trainer import PolicyTrainer
 
 log = get_logger(__name__)
 
-MIRRORED = frozenset({"step", "warmup", "full_state", "checkpoint_bytes", "restore", "load_full"})
+MIRRORED = frozenset({"step", "warmup", "full_state", "checkpoint_bytes", "checkpoint_state", "restore", "load_full"})
 
 
 def world() -> tuple[int, int]:
@@ -75,8 +75,18 @@ class DrivenTrainer:
         return mirrored
 
     def stop(self) -> None:
-        """Release the followers."""
+        """Release the followers, then leave the process group with them."""
         dist.broadcast_object_list([("stop", ())], src=0)
+        leave()
+
+
+def leave() -> None:
+    """Every rank, at the end: meet at a barrier, then destroy the process group. A rank that exits with the
+    group still up tears gloo's threads down in the interpreter's finalisation, which can abort the process
+    ("terminate called without an active exception", SIGABRT) when another rank is still in a collective."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def follow(trainer: PolicyTrainer) -> None:
@@ -89,6 +99,7 @@ def follow(trainer: PolicyTrainer) -> None:
         dist.broadcast_object_list(box, src=0)
         name, args = box[0]
         if name == "stop":
+            leave()
             return
         if name not in MIRRORED:
             raise RuntimeError(f"rank 0 asked for {name!r}, which is not a mirrored trainer call")

@@ -33,9 +33,9 @@ whole mini-batch on every rank, so tokens weigh as in one process whatever the r
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
-import pickle
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -57,9 +57,9 @@ from schemas import TrainGroup
 from workers.config import PipelineConfig as RunConfig
 from workers.data.models import load_model, load_tokenizer
 from workers.data.tasks import TaskItem
-from workers.errors import CheckpointRefused
 from workers.training.advantages import group_advantages, overlong_penalty
 from workers.training.batch import Batch, make_batch, older_tokens, untrainable
+from workers.training.checkpoint_io import cloned, read_checkpoint
 from workers.training.corrections import CORRECTION_METRICS
 from workers.training.devices import autocast, compute_dtype, resolve_device
 from workers.training.logprobs import token_logprobs
@@ -77,18 +77,6 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 # largest ones are maxima over micro-batches, ranks and the step's updates.
 _LARGEST = ("tis_max",)
 _TOKEN_METRICS = tuple(n for n in (*LOSS_METRICS, *CORRECTION_METRICS) if n not in _LARGEST)
-
-
-def read_checkpoint(data: bytes) -> dict[str, Any]:
-    """A checkpoint written by `PolicyTrainer.checkpoint_bytes`, read without running code: `torch.load` with
-    `weights_only=True` accepts tensors, containers and numbers only. CheckpointRefused otherwise."""
-    try:
-        state = torch.load(io.BytesIO(data), weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
-        raise CheckpointRefused(f"checkpoint refused, not loaded: {str(err).splitlines()[0]}") from None
-    if not isinstance(state, dict) or not {"model", "optimizer", "extra"} <= state.keys():
-        raise CheckpointRefused("checkpoint refused: not a trainer checkpoint (model, optimizer, extra)")
-    return state
 
 
 class PolicyTrainer:
@@ -151,12 +139,21 @@ class PolicyTrainer:
 
     def checkpoint_bytes(self, extra: dict[str, Any]) -> bytes:
         """Model, optimizer, lr schedule and `extra` as torch.save bytes (a collective)."""
-        state = {
-            "model": self.full_state(),
-            "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=FULL),
-            "scheduler": self.scheduler.state_dict(),
-            "extra": extra,
+        return self.serialize_checkpoint(self.checkpoint_state(extra))
+
+    def checkpoint_state(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """Model, optimizer, lr schedule and `extra` as they are now, in tensors of their own (a collective; rank 0
+        gets the tensors): the next step may train while `serialize_checkpoint` writes this out."""
+        optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=FULL)
+        return {
+            "model": {k: v.detach().clone() for k, v in self.full_state().items()},
+            "optimizer": cloned(optimizer),
+            "scheduler": copy.deepcopy(self.scheduler.state_dict()),
+            "extra": copy.deepcopy(extra),
         }
+
+    def serialize_checkpoint(self, state: dict[str, Any]) -> bytes:
+        """`checkpoint_state`'s result as torch.save bytes (tensors, containers and numbers only); b"" on ranks > 0."""
         buf = io.BytesIO()
         if self.rank == 0:
             torch.save(state, buf)
