@@ -32,6 +32,20 @@ def weights(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in trainer.full_state().items()}
 
 
+def hold_puts(bus):
+    """Hold every object-store put until the returned event is set: an upload in flight, for as long as a test
+    wants. Returns the real put and the event."""
+    real_put = bus.weights.put
+    release = asyncio.Event()
+
+    async def held_put(name, data):
+        await release.wait()
+        return await real_put(name, data)
+
+    bus.weights.put = held_put
+    return real_put, release
+
+
 async def record_of(bus) -> dict:
     return json.loads((await bus.state.get(TRAINER_CHECKPOINT)).value)
 
@@ -49,14 +63,7 @@ async def test_the_record_names_a_checkpoint_only_once_it_is_whole(make_bus, tmp
     moved(actor.trainer)
     actor.state.step = 2
     at_step_2 = weights(actor.trainer)
-    real_put = bus.weights.put
-    release = asyncio.Event()
-
-    async def held_put(name, data):
-        await release.wait()
-        return await real_put(name, data)
-
-    bus.weights.put = held_put
+    real_put, release = hold_puts(bus)
     await actor._checkpoint()  # returns with the save in flight
     assert actor._saving is not None and not actor._saving.done()
     moved(actor.trainer)  # the next step changes the weights in place while the save waits
@@ -94,14 +101,7 @@ async def test_the_run_waits_for_the_checkpoint_in_flight(make_bus, tmp_path, on
     await actor.setup([])
     await actor._checkpointed()
     actor.state.step = 1  # the run's steps are done: run() only finishes what is in flight
-    real_put = bus.weights.put
-    release = asyncio.Event()
-
-    async def held_put(name, data):
-        await release.wait()
-        return await real_put(name, data)
-
-    bus.weights.put = held_put
+    _, release = hold_puts(bus)
     await actor._checkpoint()
     running = asyncio.create_task(actor.run(asyncio.Event()))
     await asyncio.sleep(0)

@@ -11,14 +11,14 @@ from pydantic import ValidationError
 
 from relax_bus.envelope import CLAIM, open_message
 from relax_bus.errors import ConfigError
-from schemas import PromptGroup, RolloutGroup, ScoredGroup, TextPart, TrainGroup, WireTensor, decode, encode
+from schemas import RolloutGroup, TrainGroup, WireTensor, decode, encode
+from tests.workers.test_trainer import engine_groups
 from workers.config import parse_config
 from workers.data.models import materialize
-from workers.engines.base import SamplingSettings, make_engine
+from workers.engines.base import make_engine
 from workers.engines.torch_engine import TorchEngine
 from workers.moe.routing import recording, replaying, routers
 from workers.roles.reference import replayed_logprobs
-from workers.roles.rollout import sample_of
 from workers.training.batch import make_batch, routed_experts
 from workers.training.logprobs import token_logprobs
 from workers.training.trainer import PolicyTrainer
@@ -33,22 +33,7 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory):
 
 
 def groups_from(engine: TorchEngine, n: int = 4, temperature: float = 1.0) -> list[TrainGroup]:
-    tok = engine.tokenizer
-    ids = [[tok.bos_token_id, *tok.encode(p, add_special_tokens=False)] for p in PROMPTS]
-    out = engine.generate(ids, n, SamplingSettings(temperature=temperature, max_new_tokens=6, seed=5))
-    groups = []
-    for i, (text, pid, samples) in enumerate(zip(PROMPTS, ids, out, strict=True)):
-        prompt = PromptGroup(
-            run="t", group_id=f"g{i}", parts=(TextPart(text=text),), n_samples=n, release_index=i, released_at_version=0
-        )
-        rollout = RolloutGroup(
-            prompt=prompt,
-            prompt_token_ids=WireTensor.from_values(pid, "int32"),
-            samples=tuple(sample_of(g) for g in samples),
-            policy_version=0,
-        )
-        groups.append(TrainGroup(scored=ScoredGroup(rollout=rollout, rewards=tuple(float(k % 2) for k in range(n)))))
-    return groups
+    return engine_groups(engine, PROMPTS, n, temperature=temperature, max_new_tokens=6, seed=5)
 
 
 def perturb_routers(model: torch.nn.Module, scale: float, seed: int = 0) -> None:

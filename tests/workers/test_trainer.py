@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from schemas import PromptGroup, RolloutGroup, Sample, ScoredGroup, TextPart, TrainGroup, WireTensor
+from schemas import PromptGroup, RolloutGroup, ScoredGroup, TextPart, TrainGroup, WireTensor
 from workers.config import parse_config
 from workers.data.models import materialize
 from workers.data.tasks import load_task
 from workers.engines.base import SamplingSettings
 from workers.engines.torch_engine import TorchEngine
+from workers.roles.rollout import sample_of
 from workers.training.batch import make_batch
 from workers.training.logprobs import token_logprobs
 from workers.training.trainer import PolicyTrainer
@@ -18,10 +19,13 @@ from workers.training.trainer import PolicyTrainer
 pytestmark = pytest.mark.workers
 
 
-def engine_groups(engine: TorchEngine, prompts: list[str], n: int) -> list[TrainGroup]:
+def engine_groups(
+    engine: TorchEngine, prompts: list[str], n: int, temperature: float = 0.8, max_new_tokens: int = 5, seed: int = 3
+) -> list[TrainGroup]:
+    """One train group per prompt from the engine's samples (as the rollout role wraps them), rewards 0, 1, 0, ..."""
     tok = engine.tokenizer
     ids = [[tok.bos_token_id, *tok.encode(p, add_special_tokens=False)] for p in prompts]
-    out = engine.generate(ids, n, SamplingSettings(temperature=0.8, max_new_tokens=5, seed=3))
+    out = engine.generate(ids, n, SamplingSettings(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed))
     groups = []
     for i, (p, pid, samples) in enumerate(zip(prompts, ids, out, strict=True)):
         prompt = PromptGroup(
@@ -30,15 +34,7 @@ def engine_groups(engine: TorchEngine, prompts: list[str], n: int) -> list[Train
         rollout = RolloutGroup(
             prompt=prompt,
             prompt_token_ids=WireTensor.from_values(pid, "int32"),
-            samples=tuple(
-                Sample(
-                    token_ids=WireTensor.from_values(g.token_ids, "int32"),
-                    logprobs=WireTensor.from_values(g.logprobs, "float32"),
-                    text=g.text,
-                    finish_reason=g.finish_reason,
-                )
-                for g in samples
-            ),
+            samples=tuple(sample_of(g) for g in samples),
             policy_version=0,
         )
         rewards = tuple(float(k % 2) for k in range(n))

@@ -38,7 +38,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from relax_bus.log import get_logger
-from workers.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_byte_tokenizer
+from workers.data.tokenizer import SPECIAL_IDS, build_byte_tokenizer
 
 log = get_logger(__name__)
 
@@ -91,10 +91,8 @@ def tiny_config(hidden: int = 128, layers: int = 2) -> LlamaConfig:
         num_key_value_heads=TINY_HEADS,
         max_position_embeddings=TINY_POSITIONS,
         tie_word_embeddings=True,
-        pad_token_id=PAD_ID,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
         dtype="float32",
+        **SPECIAL_IDS,
     )
 
 

@@ -29,6 +29,10 @@ def _byte_alphabet() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
+SPECIAL_IDS = {"pad_token_id": PAD_ID, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID}
+"""The byte tokenizer's special ids, as the keyword arguments of a transformers model config."""
+
+
 def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     """Build the byte tokenizer (259 ids) as a transformers fast tokenizer."""
     vocab = {ch: b for b, ch in enumerate(_byte_alphabet())}

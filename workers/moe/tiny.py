@@ -13,7 +13,7 @@ from pathlib import Path
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from workers.data.models import TINY_POSITIONS, build_in_code
-from workers.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_byte_tokenizer
+from workers.data.tokenizer import SPECIAL_IDS, build_byte_tokenizer
 
 SOURCE = "tiny-moe"
 EXPERTS = 8
@@ -38,10 +38,8 @@ def tiny_moe_config() -> Qwen3MoeConfig:
         mlp_only_layers=[],
         max_position_embeddings=TINY_POSITIONS,
         tie_word_embeddings=True,
-        pad_token_id=PAD_ID,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
         dtype="float32",
+        **SPECIAL_IDS,
     )
 
 

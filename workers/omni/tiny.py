@@ -29,7 +29,7 @@ from transformers.utils import logging as hf_logging
 
 from relax_bus.log import get_logger
 from workers.data.models import holds_build, install_build, staging_dir
-from workers.data.tokenizer import BOS, BOS_ID, EOS, EOS_ID, PAD, PAD_ID, _byte_alphabet
+from workers.data.tokenizer import BOS, BOS_ID, EOS, EOS_ID, PAD, PAD_ID, SPECIAL_IDS, _byte_alphabet
 from workers.omni import video
 from workers.omni.tasks import ANSWER_WORDS
 
@@ -101,10 +101,8 @@ def tiny_omni_config(vocab_size: int) -> Qwen2_5OmniThinkerConfig:
         "num_key_value_heads": 2,
         "max_position_embeddings": 4096,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
-        "pad_token_id": PAD_ID,
-        "bos_token_id": BOS_ID,
-        "eos_token_id": EOS_ID,
         "tie_word_embeddings": True,
+        **SPECIAL_IDS,
     }
     vision = {
         "depth": 2,
@@ -137,11 +135,9 @@ def tiny_omni_config(vocab_size: int) -> Qwen2_5OmniThinkerConfig:
         vision_end_token_id=MEDIA_IDS["vision_eos_token"],
         audio_start_token_id=MEDIA_IDS["audio_bos_token"],
         audio_end_token_id=MEDIA_IDS["audio_eos_token"],
-        pad_token_id=PAD_ID,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
         tie_word_embeddings=True,
         dtype="float32",
+        **SPECIAL_IDS,
     )
 
 
