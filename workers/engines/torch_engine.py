@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy
 import torch
 
 from relax_bus.log import get_logger
@@ -257,12 +258,12 @@ class TorchEngine:
 
 def _routes(
     calls: list[torch.Tensor], prompts: list[list[int]], n: int, lengths: torch.Tensor, experts: int
-) -> list[torch.Tensor]:
+) -> list[numpy.ndarray]:
     """Each row's routing from a recorded `_sample`: [prompt + length - 1, layers, k] per row (B = prompts x n).
 
     `calls[0]` is the left-padded prefill [P x W, layers, k]; `calls[1 + s]` is decode step s [B, layers, k], which
-    fed response token s. A row's last token was never fed back, so it has no routing. The rows are views of one
-    [B, W + S - 1, layers, k] tensor, converted to the wire's integer type once.
+    fed response token s. A row's last token was never fed back, so it has no routing. The rows are numpy views of
+    one [B, W + S - 1, layers, k] tensor, converted to the wire's integer type once.
     """
     width = max(len(p) for p in prompts)
     dtype = id_dtype(experts)
@@ -270,8 +271,8 @@ def _routes(
     rows = prefill.repeat_interleave(n, dim=0)  # [B, W, layers, k]
     if len(calls) > 1:
         rows = torch.cat([rows, torch.stack(calls[1:], dim=1).to(dtype)], dim=1)  # [B, W + S - 1, layers, k]
-    rows = rows.cpu()
-    return [rows[r, width - len(prompts[r // n]) : width + length - 1] for r, length in enumerate(lengths.tolist())]
+    arr = rows.cpu().numpy()
+    return [arr[r, width - len(prompts[r // n]) : width + length - 1] for r, length in enumerate(lengths.tolist())]
 
 
 def _draw(logp: torch.Tensor, top_p: float, generator: torch.Generator | list[torch.Generator] | None) -> torch.Tensor:

@@ -213,8 +213,8 @@ def sample_of(g: Generated, spans: tuple[tuple[int, int], ...] = ()) -> Sample:
     version spans of a partial rollout; one span, a single version, is left implicit)."""
     routed = None
     if g.routing is not None:
-        dtype = "uint8" if g.routing.element_size() == 1 else "int16"
-        routed = WireTensor(dtype=dtype, shape=tuple(g.routing.shape), data=g.routing.contiguous().numpy().tobytes())
+        dtype = "uint8" if g.routing.itemsize == 1 else "int16"
+        routed = WireTensor(dtype=dtype, shape=tuple(g.routing.shape), data=g.routing.tobytes())
     return Sample(
         token_ids=WireTensor.from_values(g.token_ids, "int32"),
         logprobs=WireTensor.from_values(g.logprobs, "float32"),
