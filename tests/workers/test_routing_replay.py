@@ -217,3 +217,10 @@ async def test_routing_travels_by_claim_check_on_the_train_stream(make_bus, moe_
     assert back == group
     routes = [routed_experts(s.routed_experts) for s in back.scored.rollout.samples]
     assert all(r is not None and r.shape[1:] == (2, 2) for r in routes)
+
+
+def test_a_zero_metrics_fraction_skips_the_free_forward(moe_dir, one_torch_thread):
+    groups = groups_from(TorchEngine(moe_dir, record_routing=True))
+    metrics = trainer_for(moe_dir, "r3", routing_metrics_fraction=0).step(groups)
+    assert metrics["routing_agreement"] == 1.0 and metrics["routing_mismatch_replay_max"] < 1e-5
+    assert "routing_mismatch_free" not in metrics

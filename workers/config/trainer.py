@@ -237,9 +237,10 @@ class TrainerConfig(Section):
     experts the rollout engine routed each token to (recorded by the torch engine, carried on the samples); `r2`
     records the trainer's own routing before a step's first update and forces it in the later updates (only
     matters with mini_batches x ppo_epochs > 1); `off` lets the routers choose."""
-    routing_metrics_fraction: float = Field(default=0.125, gt=0, le=1)
+    routing_metrics_fraction: float = Field(default=0.125, ge=0, le=1)
     """With `r3`: the fraction of each micro-batch's rows (at least one) forwarded once more without replay in a
-    step's first update, for `routing_mismatch_free`, the mismatch the trainer would have had without R3."""
+    step's first update, for `routing_mismatch_free`, the mismatch the trainer would have had without R3; 0 skips
+    that forward (and the metric), which on tiny-moe costs about 10 % of a step (docs/r3.md)."""
     advantage: AdvantageConfig = Field(default_factory=GrpoAdvantage)
     """Advantage estimator: `grpo`, `drgrpo`, `rloo`, `reinforce_pp` or `reinforce_pp_baseline` (or
     `{type: grpo, eps: ..., whiten: true}`)."""

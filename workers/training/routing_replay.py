@@ -17,6 +17,7 @@ else the first update), `r3` only:
     routing_agreement          forced (token, layer) choices the trainer's router would have made itself
     routing_mismatch_replay    mean |logp_trainer - logp_rollout| over response tokens, with replay (and _max)
     routing_mismatch_free      the same without replay, on `routing_metrics_fraction` of each micro-batch's rows
+                               (absent when that fraction is 0)
 """
 
 from __future__ import annotations
@@ -150,6 +151,8 @@ class TrainerRouting:
         s["replay"] += float(gap.sum())
         s["replay_max"] = max(s["replay_max"], float(gap.max()))
         s["tokens"] += float(mb.mask.sum())
+        if self.fraction == 0:
+            return
         count = max(1, math.ceil(len(mb.lengths) * self.fraction))
         pick = torch.linspace(0, len(mb.lengths) - 1, count).round().long().unique()
         with torch.no_grad():
@@ -164,10 +167,13 @@ class TrainerRouting:
         s = self._sums
         if self.mode != "r3" or not s:
             return {}
-        return {
+        out = {
             "routing_agreement": s["agree"] / max(s["forced"], 1.0),
             "routing_mismatch_replay": s["replay"] / max(s["tokens"], 1.0),
             "routing_mismatch_replay_max": s["replay_max"],
-            "routing_mismatch_free": s["free"] / max(s["free_tokens"], 1.0),
-            "routing_mismatch_free_max": s["free_max"],
         }
+        if self.fraction > 0:
+            out.update(
+                routing_mismatch_free=s["free"] / max(s["free_tokens"], 1.0), routing_mismatch_free_max=s["free_max"]
+            )
+        return out
