@@ -93,7 +93,7 @@ class Sample(BaseModel):
     """Why generation ended."""
     version_spans: tuple[tuple[int, int], ...] = ()
     """The policy version of every token, run-length: `((version, tokens), ...)` in token order, counts adding up
-    to the response's length; empty when one version generated the whole response (the group's)."""
+    to the response's length; empty when every token is of the group's version (`RolloutGroup.policy_version`)."""
     routed_experts: WireTensor | None = None
     """Experts each token the model was fed went to (R3), uint8 or int16 `[prompt + tokens - 1, moe layers, top_k]`:
     the prompt's tokens, then the response's but its last (never fed back); None when routing is not recorded."""

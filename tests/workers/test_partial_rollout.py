@@ -13,9 +13,9 @@ from relax_bus.errors import BlobNotFound, ConfigError
 from schemas import RolloutGroup, ScoredGroup, TrainGroup, WireTensor
 from tests import factories as f
 from workers.config import parse_config
-from workers.engines.base import SamplingSettings
+from workers.engines.base import Generated, SamplingSettings
 from workers.engines.torch_engine import TorchEngine
-from workers.roles.partial import generate_partial, spans_of
+from workers.roles.partial import Partial, generate_partial, labelled, spans_of
 from workers.roles.rollout import Rollout, sample_of
 from workers.training.logprobs import token_logprobs
 from workers.training.trainer import PolicyTrainer
@@ -160,11 +160,16 @@ def sample_of_spans(s, spans):
     return type(s)(**{**dict(s), "version_spans": spans})
 
 
-def test_one_version_leaves_the_spans_implicit(model_dir):
-    engine = TorchEngine(model_dir)
-    g = engine.generate(prompts_of(engine)[:1], 1, SAMPLING, [1])[0][0]
-    assert sample_of(g, ((0, len(g.token_ids)),)).version_spans == ()
-    assert isinstance(sample_of(g).token_ids, WireTensor)
+def test_a_group_is_labelled_by_its_oldest_token_and_only_other_versions_are_spelled_out():
+    def partial(*versions: int) -> Partial:
+        tokens = list(range(len(versions)))
+        return Partial(Generated(tokens, [0.0] * len(tokens), "", "length"), list(versions))
+
+    # restarted under v1: every token is v1, so the group is v1 (not the version the call started with)
+    assert labelled([partial(1, 1, 1), partial(1, 1, 2)]) == (1, [(), ((1, 2), (2, 1))])
+    assert labelled([partial(3, 3), partial(3)]) == (3, [(), ()])
+    # a sample wholly of a newer version than the group's says so
+    assert labelled([partial(0, 1), partial(1, 1)]) == (0, [((0, 1), (1, 1)), ((1, 2),)])
 
 
 def test_r3_with_partial_rollouts_is_refused():

@@ -61,6 +61,14 @@ class Partial:
         return spans_of(self.versions)
 
 
+def labelled(samples: list[Partial]) -> tuple[int, list[tuple[tuple[int, int], ...]]]:
+    """A group's version (its oldest token's) and each sample's version spans as the wire carries them: empty for
+    a sample whose every token is of the group's version, explicit otherwise (a restarted group may be wholly of
+    a newer version than the call started with: then that newer version is the group's)."""
+    version = min(v for p in samples for v in p.versions)
+    return version, [() if set(p.versions) == {version} else p.spans for p in samples]
+
+
 def spans_of(versions: list[int]) -> tuple[tuple[int, int], ...]:
     """Run-length encoding of per-token versions: [3, 3, 4] -> ((3, 2), (4, 1))."""
     out: list[tuple[int, int]] = []

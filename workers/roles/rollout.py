@@ -32,7 +32,7 @@ from workers.data.models import load_tokenizer, materialize
 from workers.data.prompts import prompt_ids
 from workers.data.tasks import prompt_text
 from workers.engines.base import Engine, Generated, SamplingSettings, make_engine
-from workers.roles.partial import generate_partial
+from workers.roles.partial import generate_partial, labelled
 from workers.roles.serve import RoleContext, run_worker
 from workers.weights import WeightTransport, make_transport
 
@@ -133,26 +133,29 @@ class Rollout:
         started = time.perf_counter()
         if cfg.partial == "off":
             outputs = await asyncio.to_thread(self.engine.generate, ids, n, self.sampling, seeds)
-            groups = [tuple(sample_of(g) for g in samples) for samples in outputs]
+            groups = [(version, tuple(sample_of(g) for g in samples)) for samples in outputs]
         else:
             chunked = await generate_partial(
                 self.engine, ids, n, self.sampling, seeds, cfg.partial_chunk, cfg.partial, self._refresh
             )
-            groups = [tuple(sample_of(p.generated, p.spans) for p in samples) for samples in chunked]
+            groups = []
+            for samples in chunked:
+                oldest, spans = labelled(samples)
+                groups.append((oldest, tuple(sample_of(p.generated, s) for p, s in zip(samples, spans, strict=True))))
         elapsed = time.perf_counter() - started
         return [
             RolloutGroup(
                 prompt=r.prompt,
                 prompt_token_ids=WireTensor.from_values(prompt_ids, "int32"),
                 samples=samples,
-                policy_version=min((v for s in samples if (v := s.oldest_version) is not None), default=version),
+                policy_version=group_version,
                 engine=self.engine.name,
                 worker_id=self.worker_id,
                 timings=RolloutTimings(
                     queued_s=max(0.0, time.time() - r.received - elapsed), generate_s=elapsed, weight_sync_s=sync_s
                 ),
             )
-            for r, prompt_ids, samples in zip(requests, ids, groups, strict=True)
+            for r, prompt_ids, (group_version, samples) in zip(requests, ids, groups, strict=True)
         ]
 
     async def _refresh(self) -> bool:
@@ -210,7 +213,7 @@ def group_seed(base: int, prompt: PromptGroup) -> int:
 
 def sample_of(g: Generated, spans: tuple[tuple[int, int], ...] = ()) -> Sample:
     """A generated completion as a wire Sample (with its routed experts when the engine recorded them, and the
-    version spans of a partial rollout; one span, a single version, is left implicit)."""
+    version spans of a partial rollout: empty when every token is of the group's version)."""
     routed = None
     if g.routing is not None:
         dtype = "uint8" if g.routing.itemsize == 1 else "int16"
@@ -221,7 +224,7 @@ def sample_of(g: Generated, spans: tuple[tuple[int, int], ...] = ()) -> Sample:
         text=g.text,
         finish_reason=g.finish_reason,
         routed_experts=routed,
-        version_spans=spans if len(spans) > 1 else (),
+        version_spans=spans,
     )
 
 
