@@ -18,7 +18,9 @@ process; the supervised warm-up off, since only step timing is read). `smollm2` 
 Measured: bus_frac = bus_s / step_s. Derived, not measured: the step as it was when the publish ran on the
 critical path (before it moved to the background) is step_s - weight_sync_s + weight_publish_s, and its bus
 fraction (admit_s + ack_s + weight_publish_s) over that; both assume the same work in every other phase.
-Checkpoints (every trainer.checkpoint_every steps) stay on the critical path and are inside step_s.
+Checkpoints (every trainer.checkpoint_every steps): only their snapshot is on the critical path, inside step_s
+of a checkpoint step (`checkpoint_path_s` in the JSON, the last one seen); the save runs behind the next steps
+(`checkpoint_s`).
 Prints a table and writes JSON.
 """
 
@@ -91,6 +93,8 @@ def summarise(name: str, metrics: list[dict[str, Any]]) -> dict[str, Any]:
         "bus_frac": bus / mean["step_s"],
         "derived_step_s_publish_on_path": before_step,
         "derived_bus_frac_publish_on_path": before_bus / before_step,
+        "checkpoint_path_s": rows[-1].get("checkpoint_path_s"),
+        "checkpoint_s": rows[-1].get("checkpoint_s"),
     }
 
 
