@@ -22,3 +22,8 @@ class ExportFailed(RelaxBusError):
 class CheckpointRefused(RelaxBusError):
     """Raised when a checkpoint holds anything but tensors, containers and numbers (a planted pickle, say):
     it is not loaded, and nothing in it runs."""
+
+
+class WeightsBaseMismatch(RelaxBusError):
+    """Raised when a delta weights version cannot be rebuilt: a tensor left to v0 that this reader's v0 does not
+    match, or a tensor whose bytes do not match the version's manifest (`workers.weights_wire`)."""

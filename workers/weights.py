@@ -313,6 +313,11 @@ TRANSPORTS: dict[str, Callable[[Bus, Any], WeightTransport]] = {
 
 
 def make_transport(bus: Bus) -> WeightTransport:
-    """The weight transport the run config names (`weights:`)."""
+    """The weight transport the run config names (`weights:`), behind the delta / bfloat16 wire when asked for."""
     cfg = bus.config.weights
-    return TRANSPORTS[cfg.type](bus, cfg)
+    transport = TRANSPORTS[cfg.type](bus, cfg)
+    if not cfg.delta and cfg.wire_dtype == "float32":
+        return transport
+    from workers.weights_wire import WireTransport  # imports this module: only when a run asks for it
+
+    return WireTransport(transport, cfg.delta, cfg.wire_dtype)

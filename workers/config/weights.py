@@ -9,13 +9,24 @@ from pydantic import BeforeValidator, Field
 from workers.config.base import Section, shorthand
 
 
-class ObjectStoreWeights(Section):
+class _Weights(Section):
+    """What every weight transport takes: how many bytes a version puts on it (`workers.weights_wire`)."""
+
+    delta: bool = False
+    """From v1 on, send only the tensors whose bytes differ from v0's (frozen or untouched ones are taken from each
+    reader's copy of v0, checked by digest); each reader then holds one extra copy of v0."""
+    wire_dtype: Literal["float32", "bfloat16"] = "float32"
+    """`bfloat16`: float32 tensors of v1 on travel as bfloat16 (half the bytes; the engines sample with weights
+    rounded to bfloat16, which the off-policy correction sees as mismatch); v0 stays exact."""
+
+
+class ObjectStoreWeights(_Weights):
     """Weights as one safetensors object per version in the run's `weights` object store (no shared disk)."""
 
     type: Literal["object_store"] = "object_store"
 
 
-class FilesystemWeights(Section):
+class FilesystemWeights(_Weights):
     """Weights as `<root>/<run>/v<version>.safetensors` on a filesystem every trainer, rollout and
     reference process mounts at the same path (NFS, a shared volume, one machine)."""
 
@@ -24,7 +35,7 @@ class FilesystemWeights(Section):
     """Directory shared by every process of the run."""
 
 
-class ShmWeights(Section):
+class ShmWeights(_Weights):
     """Weights as safetensors segments in shared memory, `<dir>/relax-<uid>/<run>/v<version>.safetensors`,
     mapped by the engines without a copy: only for a trainer, rollout and reference processes on one host
     under one uid."""
