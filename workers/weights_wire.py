@@ -54,10 +54,10 @@ class WireTransport:
 
     async def publish(self, version: int, state: StateDict, step: int) -> WeightsAnnouncement:
         if version == 0:
-            self._remember_base(state)
+            await asyncio.to_thread(self._remember_base, state, False)  # the publisher compares digests only
             return await self.inner.publish(0, state, step)
         if self.delta and self._base_digests is None:  # a restarted trainer: v0 is in the run, not in memory
-            self._remember_base(await self.inner.fetch(0))
+            await asyncio.to_thread(self._remember_base, await self.inner.fetch(0), False)
         wire = await asyncio.to_thread(self._wire_form, state)  # hashing a real model takes seconds: off the loop
         announcement = await self.inner.publish(version, wire, step)
         log.debug("weights_wire", version=version, sent=len(wire) - 1, left_behind=len(state) - len(wire) + 1)
@@ -80,14 +80,14 @@ class WireTransport:
         got = await self.inner.fetch(version)
         if version == 0 or MANIFEST not in got:
             if version == 0:
-                self._remember_base(got)
+                await asyncio.to_thread(self._remember_base, got)
             return got
         manifest: dict[str, dict[str, Any]] = json.loads(bytes(got.pop(MANIFEST).numpy().tobytes()))
         try:
             return await asyncio.to_thread(self._rebuild, version, got, manifest)
         except WeightsBaseMismatch as err:  # no v0 yet, or one that is not the run's: fetch it once more
             log.info("weights_base_fetched", version=version, reason=str(err))
-            self._remember_base(await self.inner.fetch(0))
+            await asyncio.to_thread(self._remember_base, await self.inner.fetch(0))
             return await asyncio.to_thread(self._rebuild, version, got, manifest)
 
     def _rebuild(self, version: int, got: StateDict, manifest: dict[str, dict[str, Any]]) -> StateDict:
@@ -104,10 +104,11 @@ class WireTransport:
             state[name] = tensor.to(getattr(torch, entry["dtype"]))
         return state
 
-    def _remember_base(self, state: StateDict) -> None:
+    def _remember_base(self, state: StateDict, keep: bool = True) -> None:
+        """v0's digests, and (a reader, `keep`) its tensors."""
         if self.delta:
-            self._base = {k: v.detach().clone() for k, v in state.items()}
-            self._base_digests = {k: digest(v) for k, v in self._base.items()}
+            self._base = {k: v.detach().clone() for k, v in state.items()} if keep else None
+            self._base_digests = {k: digest(v) for k, v in state.items()}
 
 
 def _dtype_name(tensor: torch.Tensor) -> str:

@@ -100,7 +100,7 @@ async def generate_partial(
     restarted = False
     chunks = 0
     while pending := [r for r in rows if not r.done]:
-        step = min(chunk, sampling.max_new_tokens - len(pending[0].tokens))  # pending rows are equally long
+        step = min(chunk, sampling.max_new_tokens - max(len(r.tokens) for r in pending))
         settings = dataclasses.replace(sampling, max_new_tokens=step, seed=None)
         row_seeds = None if seeds is None else [((r.seed or 0) + chunks * CHUNK_STRIDE) % SEED_MOD for r in pending]
         outputs = await asyncio.to_thread(
@@ -113,7 +113,10 @@ async def generate_partial(
             r.versions += [version] * len(out.token_ids)
             r.texts.append(out.text)
             r.finish = out.finish_reason
-            r.done = out.finish_reason == "stop" or len(r.tokens) >= sampling.max_new_tokens
+            # a row that stopped, reached its length, or got fewer tokens than asked (the engine's context) is done
+            r.done = (
+                out.finish_reason == "stop" or len(out.token_ids) < step or len(r.tokens) >= sampling.max_new_tokens
+            )
         chunks += 1
         if all(r.done for r in rows) or not await refresh():
             continue
