@@ -21,6 +21,7 @@ from workers.moe.routing import recording, replaying, routers
 from workers.roles.reference import replayed_logprobs
 from workers.training.batch import make_batch, routed_experts
 from workers.training.logprobs import token_logprobs
+from workers.training.routing_replay import grouped_plan, plain_plan
 from workers.training.trainer import PolicyTrainer
 
 pytestmark = pytest.mark.workers
@@ -113,7 +114,7 @@ def test_r2_replays_the_old_policys_routing_across_updates(moe_dir, one_torch_th
     groups = groups_from(engine)
     assert all(s.routed_experts is None for g in groups for s in g.scored.rollout.samples)
     trainer = trainer_for(moe_dir, "r2", mini_batches=3, lr=5e-2)
-    seen: list[float] = []
+    seen: list[int] = []
     real_forward = trainer.routing.forward
 
     def spy(*args, **kwargs):
@@ -126,7 +127,7 @@ def test_r2_replays_the_old_policys_routing_across_updates(moe_dir, one_torch_th
 
             def __exit__(self, *exc):
                 if self.replayer is not None:
-                    seen.append(self.replayer.forced)
+                    seen.append(self.replayer.replayed_calls)
                 return ctx.__exit__(*exc)
 
         return Watch()
@@ -224,3 +225,26 @@ def test_a_zero_metrics_fraction_skips_the_free_forward(moe_dir, one_torch_threa
     metrics = trainer_for(moe_dir, "r3", routing_metrics_fraction=0).step(groups)
     assert metrics["routing_agreement"] == 1.0 and metrics["routing_mismatch_replay_max"] < 1e-5
     assert "routing_mismatch_free" not in metrics
+
+
+def test_the_plans_place_each_rows_routing_where_the_forward_feeds_its_tokens():
+    gen = torch.Generator().manual_seed(0)
+    prompts, responses = [3, 3, 5, 5, 2], [4, 1, 6, 2, 3]
+    lengths = [p + n for p, n in zip(prompts, responses, strict=True)]
+    routes = [torch.randint(0, 8, (n - 1, 2, 2), generator=gen, dtype=torch.uint8) for n in lengths]
+    width = max(lengths)
+    plain = plain_plan(routes, width, 2, 2).view(len(routes), width, 2, 2)
+    for i, r in enumerate(routes):
+        assert torch.equal(plain[i, : len(r)], r.long()) and bool((plain[i, len(r) :] == -1).all())
+    first = [0, 2, 4]
+    call_prompts, call_responses = grouped_plan(routes, prompts, responses, first)
+    p_width, feed = max(prompts), max(responses) - 1
+    call_prompts = call_prompts.view(len(first), p_width, 2, 2)
+    for g, i in enumerate(first):
+        p = prompts[i]
+        assert torch.equal(call_prompts[g, p_width - p :], routes[i][:p].long())
+        assert bool((call_prompts[g, : p_width - p] == -1).all())
+    call_responses = call_responses.view(len(routes), feed, 2, 2)
+    for i, (r, p, n) in enumerate(zip(routes, prompts, responses, strict=True)):
+        assert torch.equal(call_responses[i, : n - 1], r[p : p + n - 1].long())
+        assert bool((call_responses[i, n - 1 :] == -1).all())

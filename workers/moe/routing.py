@@ -7,7 +7,8 @@ router is all either direction needs:
 
     record   indices[call][layer] = router_indices                                  # [N, k] per layer
     replay   ids    = where(forced >= 0, forced, router_indices)                    # [N, k]
-             scores = softmax(router_logits).gather(ids)  (renormalised over k when the router renormalises)
+             scores = softmax(router_logits).gather(ids), or softmax(router_logits.gather(ids)) for a router
+                      that renormalises over its k (the same numbers, without the softmax over every expert)
 
 The replayed scores are re-gathered from the current softmax, so the router still receives gradients through
 the experts it was forced to, as it does through the ones it picks itself. A model forward is one "call": the
@@ -90,14 +91,20 @@ class RoutingRecorder(_Hooks):
 class RoutingReplayer(_Hooks):
     """Forces the experts of `plan[c]` ([N, layers, k], -1 where the router chooses) in the model's c-th call."""
 
-    def __init__(self, model: nn.Module, plan: Sequence[torch.Tensor]) -> None:
+    def __init__(self, model: nn.Module, plan: Sequence[torch.Tensor], count_agreement: bool = True) -> None:
         super().__init__(model)
         self.plan = list(plan)
+        self.count_agreement = count_agreement
         self._call = -1
         self.agree = 0.0
         """Forced (token, layer) choices whose expert set the router itself would have picked."""
         self.forced = 0.0
         """Forced (token, layer) choices in all."""
+
+    @property
+    def replayed_calls(self) -> int:
+        """Forward calls of the model forced so far."""
+        return self._call + 1
 
     def _hook(self, module: nn.Module, args: Any, output: Any) -> Any:
         layer = self.layer_of[id(module)]
@@ -113,12 +120,15 @@ class RoutingReplayer(_Hooks):
             )
         pinned = (forced >= 0).all(-1)  # [N]
         ids = torch.where(pinned.unsqueeze(-1), forced.long(), own)  # [N, k]
-        same = (ids.sort(-1).values == own.sort(-1).values).all(-1) & pinned  # [N]
-        self.agree += float(same.sum())
-        self.forced += float(pinned.sum())
-        probs = torch.softmax(logits.float(), dim=-1).gather(-1, ids)  # [N, k]
+        if self.count_agreement:
+            same = (ids.sort(-1).values == own.sort(-1).values).all(-1) & pinned  # [N]
+            self.agree += float(same.sum())
+            self.forced += float(pinned.sum())
         if getattr(module, "norm_topk_prob", True):  # Mixtral has no flag: it always renormalises
-            probs = probs / probs.sum(-1, keepdim=True)
+            # softmax over all experts, renormalised over the k chosen = softmax over the k chosen logits
+            probs = torch.softmax(logits.float().gather(-1, ids), dim=-1)  # [N, k]
+        else:
+            probs = torch.softmax(logits.float(), dim=-1).gather(-1, ids)  # [N, k]
         return logits, probs.to(scores.dtype), ids
 
 
@@ -134,9 +144,11 @@ def recording(model: nn.Module) -> Iterator[RoutingRecorder]:
 
 
 @contextmanager
-def replaying(model: nn.Module, plan: Sequence[torch.Tensor]) -> Iterator[RoutingReplayer]:
-    """Force `plan[c]` in the c-th forward call inside the block."""
-    replayer = RoutingReplayer(model, plan)
+def replaying(
+    model: nn.Module, plan: Sequence[torch.Tensor], count_agreement: bool = True
+) -> Iterator[RoutingReplayer]:
+    """Force `plan[c]` in the c-th forward call inside the block (and count agreement, unless told not to)."""
+    replayer = RoutingReplayer(model, plan, count_agreement)
     replayer.attach()
     try:
         yield replayer

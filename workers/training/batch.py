@@ -58,7 +58,7 @@ def make_batch(groups: Sequence[TrainGroup]) -> Batch:
         prompt = list(rollout.prompt_token_ids.to_values())
         rewards.append(list(g.scored.rewards))
         for i, s in enumerate(rollout.samples):
-            routing.append(routed_experts(s.routed_experts))
+            routing.append(s.routed_experts)
             ref = list(g.ref_logprobs[i].to_values()) if g.ref_logprobs is not None else None
             rows.append((prompt, list(s.token_ids.to_values()), list(s.logprobs.to_values()), ref))  # type: ignore[arg-type]
             group_of.append(index)
@@ -87,7 +87,7 @@ def make_batch(groups: Sequence[TrainGroup]) -> Batch:
         tuple(len(p) + len(r) for p, r, _, _ in rows),
         tuple(len(p) for p, _, _, _ in rows),
         tuple(group_of),
-        tuple(r for r in routing if r is not None) if all(r is not None for r in routing) else (),
+        routed_rows(routing),
     )
 
 
@@ -107,6 +107,18 @@ def older_tokens(groups: Sequence[TrainGroup], batch: Batch, floor: int) -> torc
                 at += count
             row += 1
     return older
+
+
+def routed_rows(wire: Sequence[WireTensor | None]) -> tuple[torch.Tensor, ...]:
+    """Every row's routed experts as [tokens, layers, k] integer tensors, decoded in one copy (views into it);
+    () unless every row has routing of one dtype."""
+    if not wire or any(t is None for t in wire) or len({t.dtype for t in wire if t is not None}) != 1:
+        return ()
+    tensors = [t for t in wire if t is not None]
+    dtype = torch.uint8 if tensors[0].dtype == "uint8" else torch.int16
+    flat = torch.frombuffer(bytearray(b"".join(t.data for t in tensors)), dtype=dtype)
+    parts = flat.split([t.numel for t in tensors])
+    return tuple(part.view(t.shape) for part, t in zip(parts, tensors, strict=True))
 
 
 def routed_experts(t: WireTensor | None) -> torch.Tensor | None:

@@ -41,10 +41,9 @@ if TYPE_CHECKING:
 
 def plain_plan(routes: Sequence[torch.Tensor], width: int, layers: int, k: int) -> torch.Tensor:
     """The plan of one right-padded forward of rows `routes[i]` ([S_i, layers, k]) at `width`: [R x W, layers, k]."""
-    plan = torch.full((len(routes), width, layers, k), -1, dtype=torch.long)
-    for i, r in enumerate(routes):
-        plan[i, : r.shape[0]] = r.long()
-    return plan.view(-1, layers, k)
+    flat, base = _joined(routes)
+    entries = [(i, 0, int(r.shape[0]), i, 0) for i, r in enumerate(routes)]
+    return _placed(flat, base, entries, (len(routes), width, layers, k))
 
 
 def grouped_plan(
@@ -53,19 +52,43 @@ def grouped_plan(
     """The plans of the prompt-shared forward (`grouped_logprobs`): the distinct prompts' call (their first rows
     `first`, left padded), then the responses' call when some response has two tokens or more."""
     layers, k = routes[0].shape[1:]
+    flat, base = _joined(routes)
     p_width = max(prompt_lengths[i] for i in first)
-    prompts = torch.full((len(first), p_width, layers, k), -1, dtype=torch.long)
-    for g, i in enumerate(first):
-        p = prompt_lengths[i]
-        prompts[g, p_width - p :] = routes[i][:p].long()
-    plans = [prompts.view(-1, layers, k)]
+    entries = [(i, 0, prompt_lengths[i], g, p_width - prompt_lengths[i]) for g, i in enumerate(first)]
+    plans = [_placed(flat, base, entries, (len(first), p_width, layers, k))]
     feed = max(response_lengths) - 1
     if feed > 0:
-        rest = torch.full((len(routes), feed, layers, k), -1, dtype=torch.long)
-        for i, (r, p, n) in enumerate(zip(routes, prompt_lengths, response_lengths, strict=True)):
-            rest[i, : n - 1] = r[p : p + n - 1].long()
-        plans.append(rest.view(-1, layers, k))
+        fed = [(i, p, n - 1, i, 0) for i, (p, n) in enumerate(zip(prompt_lengths, response_lengths, strict=True))]
+        plans.append(_placed(flat, base, fed, (len(routes), feed, layers, k)))
     return plans
+
+
+def _joined(routes: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """The rows' routing end to end ([sum S_i, layers, k]) and where each row starts in it."""
+    starts, at = [], 0
+    for r in routes:
+        starts.append(at)
+        at += int(r.shape[0])
+    return torch.cat(list(routes)), starts
+
+
+def _placed(
+    flat: torch.Tensor, base: list[int], entries: list[tuple[int, int, int, int, int]], shape: tuple[int, ...]
+) -> torch.Tensor:
+    """A plan [rows x W, layers, k] of -1 with, for each entry (route, from, count, row, to), the route's tokens
+    [from, from + count) copied to row `row` at [to, to + count): one gather and one scatter for the whole call."""
+    rows, width, layers, k = shape
+    plan = torch.full((rows * width, layers, k), -1, dtype=torch.long)
+    counts = torch.tensor([e[2] for e in entries], dtype=torch.long)
+    total = int(counts.sum())
+    if total == 0:
+        return plan
+    entry = torch.repeat_interleave(torch.arange(len(entries)), counts)  # [total]: the entry of each copied token
+    within = torch.arange(total) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)  # [total]
+    src = torch.tensor([base[e[0]] + e[1] for e in entries], dtype=torch.long)[entry] + within
+    dst = torch.tensor([e[3] * width + e[4] for e in entries], dtype=torch.long)[entry] + within
+    plan[dst] = flat[src].long()
+    return plan
 
 
 def routing_problem(group: TrainGroup, layers: int, k: int, experts: int) -> str | None:
@@ -123,7 +146,7 @@ class TrainerRouting:
         if plans is None:  # r2 with one update per step: nothing recorded, nothing to force
             yield None
             return
-        with replaying(model, plans) as replayer:
+        with replaying(model, plans, count_agreement=self._measuring) as replayer:
             yield replayer
 
     def _plans(self, batch: Batch, rows: Sequence[int], shared: bool) -> list[torch.Tensor]:
