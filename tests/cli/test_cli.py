@@ -266,7 +266,11 @@ def test_config_show_prints_defaults_and_the_chain(tmp_path):
         "eps": 1e-6,
         "whiten": False,
     }
-    assert data["bus"]["ack_wait_s"] == 60.0 and data["weights"] == {"type": "object_store"}
+    assert data["bus"]["ack_wait_s"] == 60.0 and data["weights"] == {
+        "type": "object_store",
+        "delta": False,
+        "wire_dtype": "float32",
+    }
     assert [(r["name"], r["input"], r["output"]) for r in data["chain"]] == [
         ("feeder", None, "prompts"),
         ("rollout", "prompts", "rollouts"),
