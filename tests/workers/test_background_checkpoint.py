@@ -34,16 +34,17 @@ def weights(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
 
 def hold_puts(bus):
     """Hold every object-store put until the returned event is set: an upload in flight, for as long as a test
-    wants. Returns the real put and the event."""
+    wants. Returns the real put, the release event, and an event set once a put is waiting."""
     real_put = bus.weights.put
-    release = asyncio.Event()
+    release, entered = asyncio.Event(), asyncio.Event()
 
     async def held_put(name, data):
+        entered.set()
         await release.wait()
         return await real_put(name, data)
 
     bus.weights.put = held_put
-    return real_put, release
+    return real_put, release, entered
 
 
 async def record_of(bus) -> dict:
@@ -63,7 +64,7 @@ async def test_the_record_names_a_checkpoint_only_once_it_is_whole(make_bus, tmp
     moved(actor.trainer)
     actor.state.step = 2
     at_step_2 = weights(actor.trainer)
-    real_put, release = hold_puts(bus)
+    real_put, release, _ = hold_puts(bus)
     await actor._checkpoint()  # returns with the save in flight
     assert actor._saving is not None and not actor._saving.done()
     moved(actor.trainer)  # the next step changes the weights in place while the save waits
@@ -101,11 +102,11 @@ async def test_the_run_waits_for_the_checkpoint_in_flight(make_bus, tmp_path, on
     await actor.setup([])
     await actor._checkpointed()
     actor.state.step = 1  # the run's steps are done: run() only finishes what is in flight
-    _, release = hold_puts(bus)
+    _, release, entered = hold_puts(bus)
     await actor._checkpoint()
     running = asyncio.create_task(actor.run(asyncio.Event()))
-    await asyncio.sleep(0)
-    assert not running.done()  # held: the last checkpoint is not whole yet
+    await asyncio.wait_for(entered.wait(), 30)  # the upload is in flight and held
+    assert not running.done()  # so the run cannot have finished: the last checkpoint is not whole yet
     release.set()
     assert await asyncio.wait_for(running, 30) == 1
     assert (await record_of(bus))["step"] == 1

@@ -25,13 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
-import json
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import nats.js.errors
 import torch
 import torch.distributed as dist
 
@@ -43,10 +40,11 @@ from relax_bus.log import get_logger
 from relax_bus.outage import through_outage
 from relax_bus.stale_filter import DROPPED_KEY, admit_fresh
 from relax_bus.staleness import Decision
-from relax_bus.state_keys import TRAINER_CHECKPOINT, TRAINER_DONE, TRAINER_STEP
+from relax_bus.state_keys import TRAINER_DONE, TRAINER_STEP
 from schemas import Metric, RunEvent, TrainGroup
 from workers.config import PipelineConfig, task_spec
-from workers.roles.actor_state import CHECKPOINT_PREFIX, ActorState, retain_checkpoints
+from workers.roles.actor_checkpoint import checkpoint_record, store_checkpoint
+from workers.roles.actor_state import ActorState
 from workers.roles.serve import RoleContext
 from workers.training.distributed import DrivenTrainer
 from workers.training.trainer import PolicyTrainer
@@ -54,7 +52,6 @@ from workers.weights import WeightTransport
 
 log = get_logger(__name__)
 
-CHECKPOINT_KEY = TRAINER_CHECKPOINT
 STEP_KEY = TRAINER_STEP
 DONE_KEY = TRAINER_DONE
 
@@ -165,7 +162,7 @@ class Actor:
 
     async def setup(self, warmup_items: list[Any]) -> None:
         """Resume from the latest checkpoint, or warm up and publish version 0."""
-        record = await self._checkpoint_record()
+        record = await checkpoint_record(self.bus)
         current, self.revision = await through_outage(self.bus.version.get, "read policy version")
         if record is not None:
             data = await through_outage(lambda: self.bus.weights.get(record["object"]), "read checkpoint")
@@ -193,13 +190,6 @@ class Actor:
             await self._event("warmup_done", **info)
             await self._publish_weights(0)
         await self._checkpoint()
-
-    async def _checkpoint_record(self) -> dict[str, Any] | None:
-        try:
-            entry = await through_outage(lambda: self.bus.state.get(CHECKPOINT_KEY), "read checkpoint record")
-        except nats.js.errors.KeyNotFoundError:
-            return None
-        return json.loads(entry.value or b"{}") or None
 
     # ---- the loop: a batch role of the bus's worker loop ----------------------------------------------
 
@@ -382,16 +372,7 @@ class Actor:
         started = time.perf_counter()
         data = await asyncio.to_thread(self.trainer.serialize_checkpoint, state)
         del state
-        name = f"{CHECKPOINT_PREFIX}{step}"
-        await through_outage(lambda: self.bus.weights.put(name, data), f"put checkpoint {name}")
-        old = await self._checkpoint_record()
-        kept, pruned = retain_checkpoints(
-            [*(old or {}).get("kept", [(old or {}).get("object")]), name], self.cfg.trainer
-        )
-        record = {"object": name, "step": step, "version": version, "floor": floor, "kept": kept}
-        await self._put(CHECKPOINT_KEY, json.dumps(record))
-        for gone in pruned:
-            await through_outage(functools.partial(self.bus.weights.delete, gone), f"delete checkpoint {gone}")
+        record = await store_checkpoint(self.bus, data, step, version, floor)
         self.checkpoint_s = time.perf_counter() - started
         log.info("checkpoint_saved", seconds=round(self.checkpoint_s, 3), **record)
 
