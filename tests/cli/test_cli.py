@@ -229,7 +229,7 @@ def test_init_and_run_refuse_unknown_plug_ins_with_every_error(tmp_path):
         "rollout.engine: unknown type 'tensorrt' (known: 'torch', 'vllm', 'sim')",
         "trainer.advantage: unknown type 'ppo' (known: 'grpo', 'drgrpo', 'rloo', 'reinforce_pp', "
         "'reinforce_pp_baseline')",
-        "task: unknown type 'csv' (known: 'addition', 'reverse', 'jsonl', 'hf')",
+        "task: unknown type 'csv' (known: 'addition', 'reverse', 'jsonl', 'hf', 'omni')",
         "rewards.0: unknown type 'bleu' (known: 'exact', 'numeric', 'format', 'math', 'python')",
         "rewards.1.numeric.options.tolerence: unknown setting",
         "rewards.2.format.options: Field required",

@@ -93,6 +93,19 @@ class HfOptions(Section):
         return self
 
 
+class OmniOptions(Section):
+    """Verifiable image, audio and video questions generated in code (`workers.omni.tasks`)."""
+
+    kinds: list[Literal["colour", "beeps", "direction"]] = Field(
+        default_factory=lambda: ["colour", "beeps", "direction"], min_length=1
+    )
+    """Which kinds, interleaved in this order: `colour` (image), `beeps` (audio), `direction` (video)."""
+    count: int = Field(default=64, ge=1)
+    """Items of each kind."""
+    seed: int = 0
+    """Seed of the generated media and answers (each pass after the first also shuffles with it)."""
+
+
 class AdditionTask(Section):
     """Single- to three-digit addition (verifiable, learnable by the tiny model)."""
 
@@ -125,15 +138,24 @@ class HfTask(Section):
     """Options of the hf task (`path` is required)."""
 
 
-TaskConfig = Annotated[AdditionTask | ReverseTask | JsonlTask | HfTask, Field(discriminator="type")]
+class OmniTask(Section):
+    """Omni-modal questions with one-word answers, for a multimodal policy (`model.source: tiny-omni`)."""
+
+    type: Literal["omni"]
+    options: OmniOptions = Field(default_factory=OmniOptions)
+    """Options of the omni task."""
 
 
-def task_spec(task: AdditionTask | ReverseTask | JsonlTask | HfTask) -> dict[str, Any]:
+AnyTask = AdditionTask | ReverseTask | JsonlTask | HfTask | OmniTask
+TaskConfig = Annotated[AnyTask, Field(discriminator="type")]
+
+
+def task_spec(task: AnyTask) -> dict[str, Any]:
     """The flat mapping `workers.data.tasks.load_task` takes."""
     return {"type": task.type, **task.options.model_dump()}
 
 
-def task_seed(task: AdditionTask | ReverseTask | JsonlTask | HfTask) -> int | None:
+def task_seed(task: AnyTask) -> int | None:
     """The task's shuffle seed (None: unshuffled, or a task type without one)."""
     seed = getattr(task.options, "seed", None)
     return seed if isinstance(seed, int) else None

@@ -75,6 +75,7 @@ _DEFAULTS: dict[str, tuple[str, ...]] = {
     "reverse": ("exact",),
     "jsonl": ("exact",),
     "hf": ("exact",),
+    "omni": ("exact",),
 }
 
 

@@ -14,7 +14,7 @@ import json
 import mimetypes
 import random
 import string
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -265,11 +265,27 @@ def _hf_answer(row: dict[str, Any], field: str, pattern: Any) -> str:
     return str(found.group(1) if found.groups() else found.group()).strip()
 
 
+def omni(kinds: Sequence[str] = ("colour", "beeps", "direction"), count: int = 64, seed: int = 0) -> list[TaskItem]:
+    """`count` generated items of each kind (`workers.omni.tasks`: an image, audio or video part and a question),
+    interleaved kind by kind; the task name of each item is its kind."""
+    from workers.omni.tasks import KINDS, item_parts, make_items  # the media stack only for this task
+
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"omni: unknown kinds {unknown or list(kinds)}; known: {', '.join(KINDS)}")
+    if count < 1:
+        raise ValueError(f"omni: count must be at least 1, got {count}")
+    made = [make_items(kind, count, seed + k) for k, kind in enumerate(kinds)]  # type: ignore[arg-type]
+    rows = [made[k][i] for i in range(count) for k in range(len(kinds))]
+    return [TaskItem(item_parts(it), it.answer, it.kind, i) for i, it in enumerate(rows)]
+
+
 TASKS: dict[str, Callable[..., list[TaskItem]]] = {
     "addition": addition,
     "reverse": reverse,
     "jsonl": jsonl,
     "hf": hf,
+    "omni": omni,
 }
 
 

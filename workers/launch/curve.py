@@ -1,4 +1,7 @@
-"""The reward curve of a run, drawn from its metrics.jsonl: reward against step and against wall time."""
+"""The reward curve of a run, drawn from its metrics.jsonl: reward against step and against wall time.
+
+A run with media prompts also logs `reward/<modality>` (image, audio, video, text, omni); each gets a curve of
+its own (a moving average over 20 steps: a step holds only a few groups of each modality)."""
 
 from __future__ import annotations
 
@@ -28,6 +31,13 @@ def draw_curve(metrics: Path, target: Path, title: str = "") -> Path | None:
         ax.plot(x, smooth, color="#08519c", linewidth=2, label="moving average (5)")
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
+    palette = {"image": "#e6550d", "audio": "#31a354", "video": "#756bb1", "text": "#636363", "omni": "#d6616b"}
+    for name in sorted({k for r in rows for k in r if k.startswith("reward/")}):
+        kept = [(s, w, r[name]) for s, w, r in zip(steps, wall, rows, strict=True) if name in r]
+        values = _moving_average([v for _, _, v in kept], 20)
+        colour = palette.get(name.removeprefix("reward/"))
+        a.plot([s for s, _, _ in kept], values, color=colour, linewidth=1.5, label=f"{name} (moving average 20)")
+        b.plot([w for _, w, _ in kept], values, color=colour, linewidth=1.5)
     a.set_ylabel("mean reward")
     a.set_ylim(-0.02, 1.02)
     a.legend(loc="lower right")

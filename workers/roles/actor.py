@@ -44,6 +44,7 @@ from relax_bus.state_keys import TRAINER_DONE, TRAINER_STEP
 from schemas import Metric, RunEvent, TrainGroup
 from workers.config import PipelineConfig, task_spec
 from workers.roles.actor_checkpoint import checkpoint_record, store_checkpoint
+from workers.roles.actor_media import ActorMedia
 from workers.roles.actor_state import ActorState
 from workers.roles.serve import RoleContext
 from workers.training.distributed import DrivenTrainer
@@ -157,6 +158,8 @@ class Actor:
         """Seconds the last checkpoint held the step up (its snapshot)."""
         self.checkpoint_s: float | None = None
         """Seconds the last background checkpoint save took (serialise, upload, record)."""
+        self.media = ActorMedia(getattr(trainer, "prompter", None), bus.media)
+        """Processor tensors of the held media groups (a multimodal policy)."""
 
     # ---- setup -------------------------------------------------------------------------------------------
 
@@ -233,6 +236,7 @@ class Actor:
             await self._event("group_dropped", group_id=group.group_id, lag=decision.lag, reason=decision.reason)
 
         await admit_fresh(self.bus, group, self.state.version, requeued, dropped)
+        await self.media.admit(group)  # held: its processor tensors, before the step needs them
 
     async def handle(self, batch: Sequence[Held[TrainGroup]]) -> None:
         """One optimizer update on the step's groups, then the weights of the next version."""
@@ -240,7 +244,12 @@ class Actor:
         lags = collections.Counter(version - h.message.policy_version for h in batch)
         # In release order, not arrival order: the update does not depend on which worker answered first.
         groups = sorted((h.message for h in batch), key=lambda g: g.scored.rollout.prompt.release_index)
-        metrics = await asyncio.to_thread(self.trainer.step, groups, version)
+        media = self.media.take(groups)
+        if any(m is not None for m in media):
+            metrics = await asyncio.to_thread(self.trainer.step, groups, version, media)  # type: ignore[call-arg]
+        else:
+            metrics = await asyncio.to_thread(self.trainer.step, groups, version)
+        metrics = {**metrics, **self.media.metrics(groups)}
         sync_started = time.perf_counter()
         await self._published()  # v is readable before v+1 starts: versions advance in order
         snapshot = await asyncio.to_thread(self._snapshot)

@@ -31,7 +31,9 @@ from relax_bus.staleness import releasable
 from relax_bus.state_keys import FEEDER_CURSOR, GROUPS_DROPPED, TRAINER_DONE
 from relax_bus.version import VersionTracker
 from schemas import Message, PromptGroup, RunEvent
+from schemas.parts import Part
 from workers.config import task_seed, task_spec
+from workers.data.media_refs import has_media, store_inline
 from workers.data.tasks import TaskItem, epoch_order, load_task
 from workers.roles.dead_credit import DeadLetterCredit
 from workers.roles.filtered_credit import OversampleExhausted, count_below, exhausted, oversample_cap, read_filtered
@@ -137,6 +139,8 @@ class Feeder:
         self._seen: tuple[int, int] = (0, 0)  # version and dropped count of the last batch produced
         self.filtered = 0
         """Released groups the reward role filtered (all rewards equal), as last read."""
+        self._stored: dict[int, tuple[Part, ...]] = {}
+        """Item index -> its parts by reference, once its media is in the media store."""
 
     async def produce(self) -> list[PromptGroup] | None:
         cfg = self.bus.config
@@ -155,7 +159,19 @@ class Feeder:
         n = max(0, min(need, cfg.groups_per_step if allowed is None else allowed, cfg.groups_per_step))
         self._seen = (version, dropped)
         n_samples, run = cfg.samples_per_group, self.bus.run
-        return [group_for(run, n_samples, self.items, self.released + i, version, self.seed) for i in range(n)]
+        groups = [group_for(run, n_samples, self.items, self.released + i, version, self.seed) for i in range(n)]
+        return [await self._by_reference(g) for g in groups]
+
+    async def _by_reference(self, group: PromptGroup) -> PromptGroup:
+        """The group with its inline media stored once in the media store and referred to by digest
+        (`workers.data.media_refs`): every sample, epoch and role reads the one object."""
+        if not has_media(group.parts):
+            return group
+        parts = self._stored.get(group.index)
+        if parts is None:
+            parts = await through_outage(lambda: store_inline(self.bus.media, group.parts), "store prompt media")
+            self._stored[group.index] = parts
+        return group.model_copy(update={"parts": parts})
 
     def _group_id(self, release_index: int) -> str:
         return group_id_for(self.items, release_index, self.seed)

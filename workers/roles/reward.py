@@ -24,6 +24,7 @@ from relax_bus.log import get_logger
 from relax_bus.worker import Delivery, Worker, WorkerOptions
 from schemas import PromptGroup, RewardDetail, RolloutGroup, RunEvent, ScoredGroup, TrainGroup
 from workers.config import PipelineConfig, task_seed, task_spec
+from workers.data.media_refs import by_reference
 from workers.data.rewards import Scorer, default_rewards
 from workers.data.tasks import TaskItem, load_task
 from workers.roles.feeder import released_item
@@ -74,7 +75,7 @@ class TrustedTask:
             what
             for what, ours, theirs in (
                 ("group id", group_id, prompt.group_id),
-                ("prompt", item.parts, prompt.parts),
+                ("prompt", by_reference(item.parts), prompt.parts),
                 ("history", item.history, prompt.history),
                 ("answer", item.answer, prompt.answer),
             )

@@ -28,10 +28,14 @@ from relax_bus.version import VersionTracker
 from relax_bus.worker import Delivery, Worker, WorkerOptions
 from schemas import PromptGroup, RolloutGroup, RolloutTimings, Sample, WireTensor
 from schemas.parts import MediaPart
+from workers.data.media_refs import PayloadCache, has_media
 from workers.data.models import load_tokenizer, materialize
 from workers.data.prompts import prompt_ids
 from workers.data.tasks import prompt_text
-from workers.engines.base import Engine, Generated, SamplingSettings, make_engine
+from workers.engines.base import Engine, Generated, MediaInputs, SamplingSettings, make_engine
+from workers.omni.errors import MediaError
+from workers.omni.loading import is_multimodal
+from workers.omni.prompts import MediaPrompter
 from workers.roles.partial import generate_partial, labelled
 from workers.roles.serve import RoleContext, run_worker
 from workers.weights import WeightTransport, make_transport
@@ -46,6 +50,8 @@ class _Request:
     ids: list[int]
     """Prompt token ids, as `workers.data.prompts` renders them."""
     received: float
+    media: MediaInputs | None = None
+    """The processor's tensors of a prompt with media (its `input_ids` are `ids`), for a multimodal engine."""
     done: asyncio.Future[RolloutGroup] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -66,6 +72,10 @@ class Rollout:
         )
         self.batch = cfg.batch_groups
         self._tokenizing = threading.Lock()  # handlers tokenise in threads; one tokenizer object serves them all
+        processor = getattr(engine, "processor", None)
+        self.prompter = None if processor is None else MediaPrompter(processor)
+        """Turns media prompts into processor tensors (a multimodal engine only; a text model reads the text parts)."""
+        self.payloads = PayloadCache(bus.media)
         self._loop_task: asyncio.Task[None] | None = None
         self.worker: Worker[PromptGroup] | None = None
 
@@ -83,8 +93,14 @@ class Rollout:
         if self._loop_task is not None and self._loop_task.done():
             raise RuntimeError("rollout batch loop stopped") from self._loop_task.exception()
         await self._check_media(prompt)
-        ids = await asyncio.to_thread(self._encode, prompt)  # a long text takes a while: off the event loop
-        request = _Request(prompt, ids, time.time())
+        media = None
+        if self.prompter is not None and has_media(prompt.parts):
+            media = await self._media_inputs(prompt)
+            ids = media["input_ids"][0].tolist()
+            self._check_room(ids)
+        else:
+            ids = await asyncio.to_thread(self._encode, prompt)  # a long text takes a while: off the event loop
+        request = _Request(prompt, ids, time.time(), media)
         await self.queue.put(request)
         return await request.done
 
@@ -131,7 +147,11 @@ class Rollout:
         cfg = self.bus.config.rollout
         seeds = None if cfg.seed is None else [group_seed(cfg.seed, r.prompt) for r in requests]
         started = time.perf_counter()
-        if cfg.partial == "off":
+        media = [r.media for r in requests]
+        if any(m is not None for m in media):  # partial rollouts are refused for multimodal models at start
+            outputs = await asyncio.to_thread(self.engine.generate, ids, n, self.sampling, seeds, media)  # type: ignore[call-arg]
+            groups = [(version, tuple(sample_of(g) for g in samples)) for samples in outputs]
+        elif cfg.partial == "off":
             outputs = await asyncio.to_thread(self.engine.generate, ids, n, self.sampling, seeds)
             groups = [(version, tuple(sample_of(g) for g in samples)) for samples in outputs]
         else:
@@ -179,13 +199,32 @@ class Rollout:
                 ids = prompt_ids(self.tokenizer, text, model.prompt_format, model.system_prompt, prompt.history)
         except (ValueError, TypeError) as err:  # deliberate: input the tokenizer refuses is bad input, not a fault
             raise Reject(f"prompt text cannot be tokenised: {type(err).__name__}: {err}") from None
+        self._check_room(ids)
+        return ids
+
+    def _check_room(self, ids: list[int]) -> None:
+        """Reject a prompt that leaves no room for the response in the model's context."""
         limit, room = self.engine.max_context, self.sampling.max_new_tokens
         if limit is not None and len(ids) + room > limit:
             raise Reject(
                 f"prompt of {len(ids)} tokens leaves no room for rollout.max_new_tokens={room} "
                 f"in the model's context of {limit} tokens"
             )
-        return ids
+
+    async def _media_inputs(self, prompt: PromptGroup) -> MediaInputs:
+        """The processor's tensors of a media prompt; Reject (dead-letter) media that cannot be read or decoded."""
+        assert self.prompter is not None
+        prompter = self.prompter
+        try:
+            payloads = await self.payloads.payloads(prompt.parts)
+
+            def run() -> MediaInputs:
+                with self._tokenizing:
+                    return prompter.inputs(prompt.parts, payloads)
+
+            return await asyncio.to_thread(run)
+        except MediaError as err:
+            raise Reject(f"prompt media cannot be used: {err}") from None
 
     async def _check_media(self, prompt: PromptGroup) -> None:
         """Reject a prompt whose media reference names no object in the run's media store (or no local file)."""
@@ -260,6 +299,11 @@ async def rollout_worker(
         lambda: make_engine(engine_cfg.type, model_dir, device=device, record_routing=record, **engine_cfg.options())
     )
     engine.version = -1  # nothing loaded from the trainer yet: the first batch waits for v0
+    if getattr(engine, "processor", None) is not None:
+        if cfg.rollout.partial != "off":
+            raise ValueError("rollout.partial needs a text model: a multimodal prompt cannot be continued yet")
+    elif is_multimodal(model_dir):
+        raise ValueError(f"a multimodal model needs an engine that takes media (torch), not {engine_cfg.type}")
     options = options or WorkerOptions(concurrency=cfg.rollout.batch_groups)
     rollout = Rollout(bus, engine, load_tokenizer(model_dir), make_transport(bus), options.worker_id)
     worker = Worker(bus, "rollout", rollout.handle, PromptGroup, options)

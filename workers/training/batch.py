@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from schemas import TrainGroup, WireTensor
+from workers.engines.base import MediaInputs
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class Batch:
     prompt_lengths: tuple[int, ...]  # [N] prompt tokens of each row
     group_of: tuple[int, ...]  # [N] the group (prompt) each row answers, 0..B-1
     routing: tuple[torch.Tensor, ...] = ()  # [N] x [len - 1, layers, k]: the rollout's routed experts (R3), or ()
+    media: tuple[MediaInputs | None, ...] = ()  # [B] the processor tensors of each group's prompt, or ()
 
     def rows(self, rows: Sequence[int], device: torch.device) -> Batch:
         """The rows `rows` cut to their longest sequence, on `device` (rewards stay whole, on the CPU)."""
@@ -46,11 +48,12 @@ class Batch:
             prompt_lengths=tuple(self.prompt_lengths[r] for r in rows),
             group_of=tuple(self.group_of[r] for r in rows),
             routing=tuple(self.routing[r] for r in rows) if self.routing else (),
+            media=self.media,
         )
 
 
-def make_batch(groups: Sequence[TrainGroup]) -> Batch:
-    """Pack B train groups of n samples each into padded tensors."""
+def make_batch(groups: Sequence[TrainGroup], media: Sequence[MediaInputs | None] = ()) -> Batch:
+    """Pack B train groups of n samples each into padded tensors (with each group's media tensors, if given)."""
     rows: list[tuple[list[int], list[int], list[float], list[float] | None]] = []
     rewards, group_of, routing = [], [], []
     for index, g in enumerate(groups):
@@ -88,6 +91,7 @@ def make_batch(groups: Sequence[TrainGroup]) -> Batch:
         tuple(len(p) for p, _, _, _ in rows),
         tuple(group_of),
         routed_rows(routing),
+        tuple(media) or tuple(None for _ in groups),
     )
 
 

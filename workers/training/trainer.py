@@ -55,8 +55,8 @@ from torch.distributed.checkpoint.state_dict import (
 from relax_bus.log import get_logger
 from schemas import TrainGroup
 from workers.config import PipelineConfig as RunConfig
-from workers.data.models import load_model, load_tokenizer
 from workers.data.tasks import TaskItem
+from workers.engines.base import MediaInputs
 from workers.training.advantages import group_advantages, overlong_penalty
 from workers.training.batch import Batch, make_batch, older_tokens, untrainable
 from workers.training.checkpoint_io import cloned, read_checkpoint
@@ -64,6 +64,7 @@ from workers.training.corrections import CORRECTION_METRICS
 from workers.training.devices import autocast, compute_dtype, resolve_device
 from workers.training.logprobs import token_logprobs
 from workers.training.losses import aggregate, kl_penalty, normalizer_of
+from workers.training.media_policy import load_policy, media_rows_logprobs
 from workers.training.microbatch import pack, pack_groups, split_even
 from workers.training.optim import make_optimizer, make_scheduler
 from workers.training.policy_losses import LOSS_METRICS, policy_loss
@@ -90,8 +91,11 @@ class PolicyTrainer:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.device = resolve_device(self.cfg.device)
         self.dtype = compute_dtype(self.cfg.precision, self.device)
-        self.tokenizer = load_tokenizer(model_dir)
-        self.model = load_model(model_dir).to(self.device)
+        model, self.tokenizer, self.prompter = load_policy(model_dir)
+        """`prompter`: a multimodal policy's processor (`workers.training.media_policy`), None for a text one."""
+        self.model = model.to(self.device)
+        if self.prompter is not None and (self.world > 1 or self.cfg.routing_replay != "off"):
+            raise ValueError("a multimodal policy trains in one process (trainer.nproc 1) without routing replay")
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         """Token ids at or above this are refused before they reach a step (`workers.training.batch.untrainable`)."""
         if self.cfg.activation_checkpointing:
@@ -101,6 +105,7 @@ class PolicyTrainer:
             self._shard()
         # One forward per backward under FSDP2 and with checkpointing (which turns the KV cache off).
         self.shared_prompt = self.cfg.shared_prompt and self.world == 1 and not self.cfg.activation_checkpointing
+        self.shared_prompt = self.shared_prompt and self.prompter is None  # media prompts: one pass per row
         replay = self.cfg.routing_replay
         self.routing = (
             None if replay == "off" else TrainerRouting(self.model, replay, self.cfg.routing_metrics_fraction)
@@ -182,11 +187,14 @@ class PolicyTrainer:
             why = self.routing.problem(group)
         return why
 
-    def step(self, groups: Sequence[TrainGroup], version: int | None = None) -> dict[str, float]:
+    def step(
+        self, groups: Sequence[TrainGroup], version: int | None = None, media: Sequence[MediaInputs | None] = ()
+    ) -> dict[str, float]:
         """The step's optimizer updates on the groups (trained at policy `version`); the step's metrics (means over
-        its updates). With `staleness.mask_stale_tokens`, tokens older than `version - max_staleness` are masked."""
+        its updates). With `staleness.mask_stale_tokens`, tokens older than `version - max_staleness` are masked.
+        `media[i]`: the processor tensors of group i's prompt (a multimodal policy; None for a text prompt)."""
         started = time.perf_counter()
-        batch = make_batch(groups)
+        batch = make_batch(groups, media)
         masked: dict[str, float] = {}
         bound = self.config.staleness.max_staleness
         if self.config.staleness.mask_stale_tokens and bound is not None and version is not None:
@@ -348,6 +356,8 @@ class PolicyTrainer:
     def _logprobs(self, mb: Batch) -> tuple[Batch, torch.Tensor]:
         temperature = self.config.rollout.temperature
         with self.autocast():
+            if self.prompter is not None:
+                return mb, media_rows_logprobs(self.model, mb.ids, mb.attention, mb.media, mb.group_of, temperature)
             if not self.shared_prompt:
                 return mb, token_logprobs(self.model, mb.ids, mb.attention, temperature)
             first: dict[int, int] = {}  # group -> its first row here: the distinct prompts, in order

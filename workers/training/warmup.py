@@ -14,22 +14,31 @@ from typing import TYPE_CHECKING
 import torch
 
 from relax_bus.log import get_logger
+from workers.data.media_refs import has_media
 from workers.data.prompts import answer_ids, prompt_ids
 from workers.data.tasks import TaskItem, prompt_text
 from workers.training.logprobs import token_logprobs
+from workers.training.media_policy import media_rows_logprobs, next_token_logits
 
 if TYPE_CHECKING:
+    from workers.engines.base import MediaInputs
     from workers.training.trainer import PolicyTrainer
 
 log = get_logger(__name__)
 
 
-def item_prompt_ids(trainer: PolicyTrainer, item: TaskItem) -> list[int]:
-    """The item's prompt ids, as the rollout role renders them."""
+Prompt = tuple[list[int], "MediaInputs | None"]
+"""A prompt's ids and, for a media prompt of a multimodal policy, its processor tensors."""
+
+
+def item_prompt(trainer: PolicyTrainer, item: TaskItem) -> Prompt:
+    """The item's prompt, as the rollout role renders it (media through the policy's processor)."""
+    if trainer.prompter is not None and has_media(item.parts):
+        inputs = trainer.prompter.inputs(item.parts)
+        return inputs["input_ids"][0].tolist(), inputs
     model = trainer.config.model
-    return prompt_ids(
-        trainer.tokenizer, prompt_text(item.parts), model.prompt_format, model.system_prompt, item.history
-    )
+    ids = prompt_ids(trainer.tokenizer, prompt_text(item.parts), model.prompt_format, model.system_prompt, item.history)
+    return ids, None
 
 
 def run_warmup(trainer: PolicyTrainer, items: Sequence[TaskItem]) -> dict[str, float]:
@@ -43,7 +52,7 @@ def run_warmup(trainer: PolicyTrainer, items: Sequence[TaskItem]) -> dict[str, f
     """
     wcfg = trainer.cfg.warmup
     tok = trainer.tokenizer
-    examples = [(item_prompt_ids(trainer, it), answer_ids(tok, it.answer)) for it in items if it.answer is not None]
+    examples = [(item_prompt(trainer, it), answer_ids(tok, it.answer)) for it in items if it.answer is not None]
     if wcfg.max_steps == 0 or not examples:
         return {"warmup_steps": 0.0, "warmup_accuracy": float("nan")}
     model = trainer.model
@@ -81,22 +90,26 @@ def run_warmup(trainer: PolicyTrainer, items: Sequence[TaskItem]) -> dict[str, f
     return {"warmup_steps": float(step + wcfg.noise_steps), "warmup_accuracy": accuracy}
 
 
-def _sft_step(
-    trainer: PolicyTrainer, opt: torch.optim.Optimizer, chosen: Sequence[tuple[list[int], list[int]]]
-) -> float:
+def _sft_step(trainer: PolicyTrainer, opt: torch.optim.Optimizer, chosen: Sequence[tuple[Prompt, list[int]]]) -> float:
     """One supervised step: mean token log-loss of the answers after their prompts."""
-    seqs = [p + a for p, a in chosen]
+    seqs = [p + a for (p, _), a in chosen]
     width = max(len(s) for s in seqs)
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
     attention = torch.zeros_like(ids)
     mask = torch.zeros(len(seqs), width - 1)
-    for row, ((p, _), s) in enumerate(zip(chosen, seqs, strict=True)):
+    for row, (((p, _), _), s) in enumerate(zip(chosen, seqs, strict=True)):
         ids[row, : len(s)] = torch.tensor(s)
         attention[row, : len(s)] = 1
         mask[row, len(p) - 1 : len(s) - 1] = 1
     device = trainer.device
     with trainer.autocast():
-        logp = token_logprobs(trainer.model, ids.to(device), attention.to(device))
+        if trainer.prompter is not None:
+            media = [m for (_, m), _ in chosen]
+            logp = media_rows_logprobs(
+                trainer.model, ids.to(device), attention.to(device), media, range(len(seqs)), 1.0
+            )
+        else:
+            logp = token_logprobs(trainer.model, ids.to(device), attention.to(device))
     mask = mask.to(device)
     loss = -(logp * mask).sum() / mask.sum()
     opt.zero_grad(set_to_none=True)
@@ -116,11 +129,15 @@ def sampled_accuracy(trainer: PolicyTrainer, items: Sequence[TaskItem]) -> float
         eos = tok.eos_token_id
         hits = 0
         for it in items:
-            ids = torch.tensor([item_prompt_ids(trainer, it)], device=device)
+            prompt, media = item_prompt(trainer, it)
+            ids = torch.tensor([prompt], device=device)
             out: list[int] = []
             for _ in range(rollout.max_new_tokens):
                 with trainer.autocast():
-                    logits = model(input_ids=ids, use_cache=False).logits[0, -1].float() / rollout.temperature
+                    if trainer.prompter is not None:  # 3-D positions, media tokens never sampled
+                        logits = next_token_logits(model, ids, media)[0] / rollout.temperature
+                    else:
+                        logits = model(input_ids=ids, use_cache=False).logits[0, -1].float() / rollout.temperature
                 # One generator seeded alike on every rank: FSDP ranks must take identical branches.
                 token = int(torch.multinomial(logits.softmax(-1).cpu(), 1, generator=generator))
                 if token == eos:

@@ -1,0 +1,145 @@
+"""A multimodal policy through the trainer: media groups scored like the engine sampled them, a step that
+trains on them, the warm-up with media, the omni task and media by reference (tiny-omni, CPU, no bus)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from schemas import PromptGroup, RolloutGroup, ScoredGroup, TextPart, TrainGroup, WireTensor
+from schemas.parts import Part
+from workers.config import parse_config
+from workers.data.media_refs import by_reference, has_media, media_bytes, modality
+from workers.data.models import materialize
+from workers.data.tasks import load_task
+from workers.engines.base import MediaInputs, SamplingSettings
+from workers.engines.torch_engine import TorchEngine
+from workers.omni.prompts import MediaPrompter
+from workers.roles.rollout import sample_of
+from workers.training.batch import make_batch
+from workers.training.trainer import PolicyTrainer
+from workers.training.warmup import item_prompt
+
+pytestmark = pytest.mark.workers
+
+TOLERANCE = 1e-4
+CONFIG = {
+    "run": "omni-unit",
+    "model": {"source": "tiny-omni"},
+    "task": {"type": "omni", "options": {"count": 2}},
+    "groups_per_step": 4,
+    "samples_per_group": 4,
+    "rollout": {"max_new_tokens": 3, "temperature": 1.0},
+    "trainer": {"lr": 1e-3, "warmup": {"max_steps": 0}},
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test of this module runs with one torch thread (fixture in conftest.py)."""
+
+
+@pytest.fixture(scope="module")
+def omni_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return materialize("tiny-omni", tmp_path_factory.mktemp("models") / "tiny-omni", seed=0)
+
+
+def groups_from_engine(
+    engine: TorchEngine, parts: list[tuple[Part, ...]], n: int = 4, seed: int = 5
+) -> tuple[list[TrainGroup], list[MediaInputs | None]]:
+    """One train group per prompt as the rollout role builds it (media through the processor), rewards 0, 1, ..."""
+    prompter = MediaPrompter(engine.processor)
+    media: list[MediaInputs | None] = []
+    ids = []
+    for p in parts:
+        if has_media(p):
+            inputs = prompter.inputs(p)
+            media.append(inputs)
+            ids.append(inputs["input_ids"][0].tolist())
+        else:
+            media.append(None)
+            ids.append([engine.tokenizer.bos_token_id, *engine.tokenizer.encode(p[0].text, add_special_tokens=False)])
+    out = engine.generate(ids, n, SamplingSettings(temperature=1.0, max_new_tokens=3, seed=seed), media=media)
+    groups = []
+    for i, (p, pid, samples) in enumerate(zip(parts, ids, out, strict=True)):
+        prompt = PromptGroup(run="t", group_id=f"g{i}", parts=p, n_samples=n, release_index=i, released_at_version=0)
+        rollout = RolloutGroup(
+            prompt=prompt,
+            prompt_token_ids=WireTensor.from_values(pid, "int32"),
+            samples=tuple(sample_of(g) for g in samples),
+            policy_version=0,
+        )
+        groups.append(TrainGroup(scored=ScoredGroup(rollout=rollout, rewards=tuple(float(k % 2) for k in range(n)))))
+    return groups, media
+
+
+def task_parts(count: int = 1) -> list[tuple[Part, ...]]:
+    return [item.parts for item in load_task({"type": "omni", "count": count})]
+
+
+def test_the_trainer_scores_media_groups_as_the_engine_sampled_them(omni_dir):
+    trainer = PolicyTrainer(omni_dir, parse_config(CONFIG))
+    assert trainer.prompter is not None and not trainer.shared_prompt
+    engine = TorchEngine(omni_dir)
+    parts = [*task_parts(), (TextPart(text="What colour? "),)]  # image, audio, video, and a text prompt
+    groups, media = groups_from_engine(engine, parts)
+    batch = make_batch(groups, media)
+    with torch.no_grad():
+        mb, logp = trainer._forward(batch, list(range(batch.ids.shape[0])))
+    mask = mb.mask.bool()
+    picked, expected = logp[mask], mb.rollout_logp[mask]
+    assert picked.numel() == sum(s.token_ids.numel for g in groups for s in g.scored.rollout.samples)
+    worst = (picked - expected).abs().max().item()
+    assert worst <= TOLERANCE, worst
+
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    metrics = trainer.step(groups, 0, media)
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
+    assert metrics["logprob_mismatch"] <= TOLERANCE, metrics["logprob_mismatch"]
+    changed = [k for k, v in trainer.model.state_dict().items() if not torch.equal(v, before[k])]
+    assert any("visual" in k for k in changed) and any("audio_tower" in k for k in changed)
+
+
+def test_a_media_group_without_its_tensors_is_not_scored_as_text(omni_dir):
+    """The processor tensors are what puts the image into the forward: without them the log-probs differ."""
+    trainer = PolicyTrainer(omni_dir, parse_config(CONFIG))
+    groups, media = groups_from_engine(TorchEngine(omni_dir), task_parts()[:1])
+    with torch.no_grad():
+        with_media = trainer._forward(make_batch(groups, media), [0])[1]
+        without = trainer._forward(make_batch(groups), [0])[1]
+    assert (with_media - without).abs().max().item() > 1e-3
+
+
+def test_the_warm_up_trains_on_media_prompts(omni_dir):
+    config = parse_config({**CONFIG, "trainer": {"warmup": {"max_steps": 4, "check_every": 2, "batch_size": 6}}})
+    trainer = PolicyTrainer(omni_dir, config)
+    items = load_task({"type": "omni", "count": 2})
+    ids, media = item_prompt(trainer, items[0])
+    assert media is not None and ids == media["input_ids"][0].tolist()
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    info = trainer.warmup(items)
+    assert info["warmup_steps"] == 4 and 0.0 <= info["warmup_accuracy"] <= 1.0
+    assert any(not torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
+
+
+def test_the_omni_task_interleaves_its_kinds_with_one_word_answers():
+    items = load_task({"type": "omni", "count": 3, "kinds": ["colour", "direction"]})
+    assert [it.task for it in items] == ["colour", "direction"] * 3
+    assert [modality(it.parts) for it in items[:2]] == ["image", "video"]
+    assert all(it.answer in ("red", "green", "blue", "yellow", "left", "right", "up", "down") for it in items)
+    with pytest.raises(ValueError, match="unknown kinds"):
+        load_task({"type": "omni", "kinds": ["smell"]})
+
+
+def test_media_by_reference_names_the_payload_by_its_digest():
+    parts = task_parts()[1]  # audio, then the question
+    refs = by_reference(parts)
+    audio = parts[0]
+    assert audio.type == "audio" and audio.inline is not None
+    assert refs[0].inline is None and refs[0].ref is not None
+    assert refs[0].ref.digest == "sha256:" + hashlib.sha256(audio.inline).hexdigest()
+    assert refs[0].ref.size == len(audio.inline) == media_bytes(refs) == media_bytes(parts)
+    assert refs[1] == parts[1] and by_reference(refs) == refs  # text unchanged; a reference stays one

@@ -1,0 +1,67 @@
+"""The trainer's side of a multimodal policy: loading it with its processor, and log-probs of rows with media.
+
+A directory with a processor config (`workers.omni.loading.is_multimodal`, e.g. `tiny-omni`) loads with its
+processor; the trainer then scores every row through `workers.omni.logprobs.media_token_logprobs` (3-D
+positions, media special tokens masked as the engine masks them), text rows included, and never through the
+shared-prompt path. The processor tensors of a group (`MediaInputs`, computed by the actor from the prompt's
+parts and checked against the rollout's prompt ids) are shared by the group's rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from workers.data.models import load_model, load_tokenizer
+from workers.engines.base import MediaInputs
+from workers.training.logprobs import policy_token_logprobs
+
+
+def load_policy(model_dir: Path) -> tuple[nn.Module, Any, Any]:
+    """The model (train mode is the caller's), its tokenizer, and a `MediaPrompter` for a multimodal one (else None)."""
+    from workers.omni.loading import is_multimodal
+
+    if not is_multimodal(model_dir):
+        return load_model(model_dir), load_tokenizer(model_dir), None
+    from workers.omni.loading import load_omni
+    from workers.omni.prompts import MediaPrompter
+
+    model, processor = load_omni(model_dir)
+    return model, processor.tokenizer, MediaPrompter(processor)
+
+
+def rows_media(media: Sequence[MediaInputs | None], group_of: Sequence[int], device: torch.device) -> MediaInputs:
+    """The batched media tensors of rows answering groups `group_of` (a group's tensors once per row), on `device`."""
+    from workers.omni.logprobs import batch_media
+
+    batched = batch_media([media[g] or {} for g in group_of])
+    return {k: v.to(device) for k, v in batched.items()}
+
+
+def media_rows_logprobs(
+    model: nn.Module,
+    ids: torch.Tensor,
+    attention: torch.Tensor,
+    media: Sequence[MediaInputs | None],
+    group_of: Sequence[int],
+    temperature: float,
+) -> torch.Tensor:
+    """Token log-probs [rows, T-1] of a multimodal policy over rows `ids` whose groups' media is `media`."""
+    return policy_token_logprobs(model, ids, attention, temperature, rows_media(media, group_of, ids.device))
+
+
+@torch.no_grad()
+def next_token_logits(model: nn.Module, ids: torch.Tensor, media: MediaInputs | None) -> torch.Tensor:
+    """Logits [B, V] of the token after `ids` [B, T] (no padding) with the media special tokens at -inf."""
+    from workers.omni.logprobs import mask_tokens, media_tensors, media_token_ids, rope_positions
+
+    extra = {k: v.to(ids.device) for k, v in media_tensors(media or {}).items()}
+    mask = torch.ones_like(ids)
+    positions = rope_positions(model, ids, mask, extra)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, **extra).logits
+    suppressed = torch.tensor(media_token_ids(model.config), dtype=torch.long)
+    return mask_tokens(logits[:, -1].float(), suppressed)
