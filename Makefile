@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 VLLM_STAMP := $(VENV)/.vllm-$(shell sha1sum pyproject.toml | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: test-chaos test-stress install vllm smollm2 demo-smollm2 install-vllm lint test test-unit test-bus test-e2e test-compose test-containers bench demo clean
+.PHONY: test-chaos test-stress install vllm smollm2 demo-smollm2 demo-omni install-vllm lint test test-unit test-bus test-e2e test-compose test-containers bench demo clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -94,6 +94,12 @@ demo: install
 demo-smollm2: smollm2
 	rm -rf runs/smollm2-addition .relax/weights/smollm2-addition
 	HF_HUB_OFFLINE=1 $(VENV)/bin/relax run examples/smollm2-addition.yaml --run-dir runs/smollm2-addition
+
+# The omni demo: a tiny Qwen2.5-Omni thinker on image, audio and video questions, a curve per modality
+# (docs/omni.md).
+demo-omni: install
+	rm -rf runs/omni
+	HF_HUB_OFFLINE=1 $(VENV)/bin/relax run examples/omni.yaml --run-dir runs/omni
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -20,6 +20,7 @@ from workers.engines.torch_engine import TorchEngine
 from workers.omni.prompts import MediaPrompter
 from workers.roles.rollout import sample_of
 from workers.training.batch import make_batch
+from workers.training.media_policy import media_rows_logprobs
 from workers.training.trainer import PolicyTrainer
 from workers.training.warmup import item_prompt
 
@@ -143,3 +144,25 @@ def test_media_by_reference_names_the_payload_by_its_digest():
     assert refs[0].ref.digest == "sha256:" + hashlib.sha256(audio.inline).hexdigest()
     assert refs[0].ref.size == len(audio.inline) == media_bytes(refs) == media_bytes(parts)
     assert refs[1] == parts[1] and by_reference(refs) == refs  # text unchanged; a reference stays one
+
+
+def test_each_prompt_embedded_once_gives_the_per_row_log_probs_and_gradients(omni_dir):
+    trainer = PolicyTrainer(omni_dir, parse_config(CONFIG))
+    groups, media = groups_from_engine(TorchEngine(omni_dir), [*task_parts(), (TextPart(text="Beeps? "),)])
+    mb = make_batch(groups, media)
+    model = trainer.model
+    results = []
+    for lengths in (None, mb.prompt_lengths):  # each row with its own media, then each prompt once
+        model.zero_grad(set_to_none=True)
+        logp = media_rows_logprobs(model, mb.ids, mb.attention, mb.media, mb.group_of, 1.0, lengths)
+        (logp * mb.mask).sum().backward()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        results.append((logp.detach(), grads))
+    (per_row, row_grads), (grouped, group_grads) = results
+    assert (per_row - grouped).abs().max().item() <= 1e-5
+    assert row_grads.keys() == group_grads.keys()
+    towers = [k for k in row_grads if "visual" in k or "audio_tower" in k]
+    assert towers
+    for k in row_grads:
+        scale = row_grads[k].abs().max().item() + 1e-12
+        assert (row_grads[k] - group_grads[k]).abs().max().item() <= 1e-4 * scale, k

@@ -54,15 +54,20 @@ def mask_tokens(logits: torch.Tensor, token_ids: torch.Tensor | None) -> torch.T
     return logits.index_fill(-1, token_ids.to(logits.device), float("-inf"))
 
 
+def check_positions(model: nn.Module) -> None:
+    """Raise UnsupportedModelError unless the model's 3-D position rule is wired here (the Qwen2.5-Omni thinker)."""
+    if getattr(model, "get_rope_index", None) is None or "qwen2_5_omni" not in str(model.config.model_type):
+        raise UnsupportedModelError(
+            f"multimodal positions are wired for the Qwen2.5-Omni thinker only, not {type(model).__name__}"
+        )
+
+
 def rope_positions(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, media: MediaInputs
 ) -> torch.Tensor:
     """The 3-D rotary positions [3, B, T] of the sequences `input_ids` [B, T] with their media tensors."""
-    get_rope_index = getattr(model, "get_rope_index", None)
-    if get_rope_index is None or "qwen2_5_omni" not in str(getattr(model.config, "model_type", "")):
-        raise UnsupportedModelError(
-            f"multimodal positions are wired for the Qwen2.5-Omni thinker only, not {type(model).__name__}"
-        )
+    check_positions(model)
+    get_rope_index = model.get_rope_index
     fam = media.get("feature_attention_mask")
     positions, _ = get_rope_index(
         input_ids,
@@ -118,6 +123,16 @@ def media_token_logprobs(
     logits: torch.Tensor = model(
         input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False, **media
     ).logits
+    return scored_logprobs(logits, input_ids, mask, temperature, suppressed)
+
+
+def scored_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor, temperature: float, suppressed: torch.Tensor
+) -> torch.Tensor:
+    """From logits [B, T, V]: log-prob of each next token [B, T-1] under the tempered distribution with the
+    `suppressed` ids at -inf; 0 at pads and where the target is itself suppressed (a media token of a prompt)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
     scaled = mask_tokens(logits[:, :-1].float(), suppressed)  # [B, T-1, V]
     if temperature != 1.0:
         scaled = scaled / temperature

@@ -38,11 +38,8 @@ BEEP_HZ, BEEP_S, GAP_S = 880.0, 0.12, 0.08
 FRAMES = 4
 Kind = Literal["colour", "beeps", "direction"]
 KINDS: tuple[Kind, ...] = ("colour", "beeps", "direction")
-QUESTIONS: dict[Kind, str] = {
-    "colour": "What colour is the square? Answer with one word.",
-    "beeps": "How many beeps do you hear? Answer with one digit.",
-    "direction": "Which way does the square move? Answer with one word.",
-}
+QUESTIONS: dict[Kind, str] = {"colour": "Colour?", "beeps": "How many beeps?", "direction": "Which way?"}
+"""Short questions: the byte tokenizer spends one token per character, and every row of a group repeats them."""
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from workers.data.tasks import prompt_text
 from workers.engines.base import Engine, Generated, MediaInputs, SamplingSettings, make_engine
 from workers.omni.errors import MediaError
 from workers.omni.loading import is_multimodal
+from workers.omni.logprobs import check_positions
 from workers.omni.prompts import MediaPrompter
 from workers.roles.partial import generate_partial, labelled
 from workers.roles.serve import RoleContext, run_worker
@@ -300,6 +301,7 @@ async def rollout_worker(
     )
     engine.version = -1  # nothing loaded from the trainer yet: the first batch waits for v0
     if getattr(engine, "processor", None) is not None:
+        check_positions(engine.model)  # UnsupportedModelError is a ValueError: refused at start
         if cfg.rollout.partial != "off":
             raise ValueError("rollout.partial needs a text model: a multimodal prompt cannot be continued yet")
     elif is_multimodal(model_dir):

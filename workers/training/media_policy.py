@@ -28,9 +28,11 @@ def load_policy(model_dir: Path) -> tuple[nn.Module, Any, Any]:
     if not is_multimodal(model_dir):
         return load_model(model_dir), load_tokenizer(model_dir), None
     from workers.omni.loading import load_omni
+    from workers.omni.logprobs import check_positions
     from workers.omni.prompts import MediaPrompter
 
     model, processor = load_omni(model_dir)
+    check_positions(model)
     return model, processor.tokenizer, MediaPrompter(processor)
 
 
@@ -49,8 +51,14 @@ def media_rows_logprobs(
     media: Sequence[MediaInputs | None],
     group_of: Sequence[int],
     temperature: float,
+    prompt_lengths: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """Token log-probs [rows, T-1] of a multimodal policy over rows `ids` whose groups' media is `media`."""
+    """Token log-probs [rows, T-1] of a multimodal policy over rows `ids` whose groups' media is `media`; with
+    `prompt_lengths`, each group's prompt is embedded once for all its rows (`workers.omni.group_forward`)."""
+    if prompt_lengths is not None:
+        from workers.omni.group_forward import grouped_media_logprobs
+
+        return grouped_media_logprobs(model, ids, attention, media, group_of, prompt_lengths, temperature)
     return policy_token_logprobs(model, ids, attention, temperature, rows_media(media, group_of, ids.device))
 
 

@@ -357,7 +357,8 @@ class PolicyTrainer:
         temperature = self.config.rollout.temperature
         with self.autocast():
             if self.prompter is not None:
-                return mb, media_rows_logprobs(self.model, mb.ids, mb.attention, mb.media, mb.group_of, temperature)
+                rows = (mb.ids, mb.attention, mb.media, mb.group_of)
+                return mb, media_rows_logprobs(self.model, *rows, temperature, mb.prompt_lengths)
             if not self.shared_prompt:
                 return mb, token_logprobs(self.model, mb.ids, mb.attention, temperature)
             first: dict[int, int] = {}  # group -> its first row here: the distinct prompts, in order
