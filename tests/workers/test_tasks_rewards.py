@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
 
-from schemas.parts import ImagePart, MediaRef, TextPart
+from schemas.parts import AudioPart, ImagePart, MediaRef, TextPart
 from workers.config import ExactReward
 from workers.data.rewards import Scorer, default_rewards
 from workers.data.tasks import TaskItem, load_task, prompt_text
@@ -270,3 +271,24 @@ def test_missing_user_function_fails_clearly():
         ValueError, match=r"'tests.workers.reward_fns:good' does not take the options \{'colour': 1\}: .*'colour'"
     ):
         Scorer([{"type": "python", "options": {"function": f"{FNS}:good", "colour": 1}}])
+
+
+def test_jsonl_media_as_base64(tmp_path):
+    file = tmp_path / "b64.jsonl"
+    good = base64.b64encode(b"RIFF a wave").decode()
+    lines = [
+        {"prompt": [{"type": "audio", "base64": good, "mime": "audio/wav"}, {"type": "text", "text": "?"}]},
+        {"prompt": [{"type": "image", "base64": "not base64!", "mime": "image/png"}]},
+        {"prompt": [{"type": "image", "base64": good}]},
+        {"prompt": [{"type": "image", "base64": good, "path": "x.png", "mime": "image/png"}]},
+    ]
+    file.write_text(json.dumps(lines[0]) + "\n")
+    (audio, _), *_ = [it.parts for it in load_task({"type": "jsonl", "path": str(file)})]
+    assert isinstance(audio, AudioPart) and audio.inline == b"RIFF a wave"
+    file.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    with pytest.raises(ValueError) as info:
+        load_task({"type": "jsonl", "path": str(file)})
+    msg = str(info.value)
+    assert "3 bad line(s)" in msg
+    for what in ("is not valid base64", "with 'base64' needs a 'mime'", "exactly one of 'path', 'uri' or 'base64'"):
+        assert what in msg, msg

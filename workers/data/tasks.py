@@ -8,6 +8,8 @@ directory, with field mapping). Adding a type is one loader function plus one li
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import inspect
 import json
@@ -353,7 +355,8 @@ def _parse_record(line: str, base: Path) -> tuple[tuple[Part, ...], str | None, 
 
 
 def _parse_part(part: Any, i: int, base: Path) -> Part:
-    """One element of a prompt list: text as is, media from a `path` (read inline) or a `uri` (a reference)."""
+    """One element of a prompt list: text as is, media from a `path` (read inline), a `uri` (a reference) or
+    `base64` bytes (inline; `mime` required)."""
     where = f"prompt[{i}]"
     if not isinstance(part, dict):
         raise ValueError(f"{where} must be an object, got {type(part).__name__}")
@@ -364,9 +367,17 @@ def _parse_part(part: Any, i: int, base: Path) -> Part:
     if model is None:
         raise ValueError(f"{where} has unknown type {kind!r} (known: text, {', '.join(_MEDIA_TYPES)})")
     fields = dict(part)
-    path, uri = fields.pop("path", None), fields.pop("uri", None)
-    if (path is None) == (uri is None):
-        raise ValueError(f"{where} ({kind}) needs exactly one of 'path' or 'uri'")
+    path, uri, b64 = fields.pop("path", None), fields.pop("uri", None), fields.pop("base64", None)
+    if sum(x is not None for x in (path, uri, b64)) != 1:
+        raise ValueError(f"{where} ({kind}) needs exactly one of 'path', 'uri' or 'base64'")
+    if b64 is not None:
+        if "mime" not in fields:
+            raise ValueError(f"{where} ({kind}) with 'base64' needs a 'mime'")
+        try:
+            fields["inline"] = base64.b64decode(str(b64), validate=True)
+        except (binascii.Error, ValueError) as err:
+            raise ValueError(f"{where} ({kind}) 'base64' is not valid base64: {err}") from None
+        return _validate(model, fields, where)
     source = str(path if path is not None else uri)
     if "mime" not in fields:
         guessed, _ = mimetypes.guess_type(source)
