@@ -17,6 +17,7 @@ from workers.data.models import materialize
 from workers.data.tasks import load_task
 from workers.engines.base import MediaInputs, SamplingSettings
 from workers.engines.torch_engine import TorchEngine
+from workers.omni.group_forward import sample_after
 from workers.omni.prompts import MediaPrompter
 from workers.roles.rollout import sample_of
 from workers.training.batch import make_batch
@@ -166,3 +167,27 @@ def test_each_prompt_embedded_once_gives_the_per_row_log_probs_and_gradients(omn
     for k in row_grads:
         scale = row_grads[k].abs().max().item() + 1e-12
         assert (row_grads[k] - group_grads[k]).abs().max().item() <= 1e-4 * scale, k
+
+
+def test_the_batched_sampler_picks_what_the_engine_picks(omni_dir):
+    """Left-padded prompts of different lengths and modalities (and a text one), near-greedy: the warm-up's
+    sampler and the rollout engine choose the same tokens."""
+    engine = TorchEngine(omni_dir)
+    prompter = MediaPrompter(engine.processor)
+    parts = [*task_parts(), (TextPart(text="Which way?"),)]
+    prompts = []
+    for p in parts:
+        inputs = prompter.inputs(p) if has_media(p) else None
+        ids = inputs["input_ids"][0].tolist() if inputs is not None else [engine.tokenizer.bos_token_id, *b"Which way?"]
+        prompts.append((ids, inputs))
+    eos = engine.tokenizer.eos_token_id
+    sampled = sample_after(engine.model, prompts, 4, 1e-4, torch.Generator().manual_seed(0), eos)
+    greedy = engine.generate(
+        [ids for ids, _ in prompts],
+        1,
+        SamplingSettings(temperature=1e-4, max_new_tokens=4),
+        media=[m for _, m in prompts],
+    )
+    for (got, stopped), (g,) in zip(sampled, greedy, strict=True):
+        assert stopped == (g.finish_reason == "stop")
+        assert got == (g.token_ids[:-1] if stopped else g.token_ids)

@@ -40,7 +40,7 @@ def draw_curve(metrics: Path, target: Path, title: str = "") -> Path | None:
         b.plot([w for _, w, _ in kept], values, color=colour, linewidth=1.5)
     a.set_ylabel("mean reward")
     a.set_ylim(-0.02, 1.02)
-    a.legend(loc="lower right")
+    a.legend(loc="best", fontsize=8, framealpha=0.8)
     fig.suptitle(title)
     fig.tight_layout()
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from workers.engines.base import MediaInputs
-from workers.omni.logprobs import media_tensors, media_token_ids, rope_positions, scored_logprobs
+from workers.omni.logprobs import mask_tokens, media_tensors, media_token_ids, rope_positions, scored_logprobs
 
 
 def prompt_embeds(model: nn.Module, inputs: MediaInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,3 +85,54 @@ def grouped_media_logprobs(
     logits = model(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, use_cache=False).logits
     suppressed = torch.tensor(media_token_ids(model.config), dtype=torch.long)
     return scored_logprobs(logits, ids, mask, temperature, suppressed)
+
+
+@torch.no_grad()
+def sample_after(
+    model: nn.Module,
+    prompts: Sequence[tuple[list[int], MediaInputs | None]],
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator,
+    eos_id: int,
+) -> list[tuple[list[int], bool]]:
+    """One sampled completion per prompt (ids and media), all prompts in one left-padded batch: each prompt is
+    embedded once, then each new token takes one forward of the whole batch (no KV cache; for short answers, such
+    as the warm-up's accuracy check). Media special tokens are never sampled. Each completion comes with whether
+    it ended at `eos_id` (not included) within `max_new_tokens`."""
+    device = next(model.parameters()).device
+    table = model.get_input_embeddings()
+    heads = []
+    for ids, inputs in prompts:
+        if inputs is not None:
+            heads.append(prompt_embeds(model, {k: v.to(device) for k, v in inputs.items()}))
+        else:
+            tokens = torch.tensor(ids, device=device)
+            heads.append((table(tokens), torch.arange(len(ids), device=device).expand(3, -1)))
+    width = max(h.shape[0] for h, _ in heads)
+    rows, positions, masks = [], [], []
+    for head, pos in heads:
+        pad = width - head.shape[0]
+        rows.append(torch.cat([head.new_zeros(pad, head.shape[1]), head]))
+        positions.append(torch.cat([pos.new_ones(3, pad), pos], dim=1))
+        masks.append(torch.cat([torch.zeros(pad, dtype=torch.long), torch.ones(head.shape[0], dtype=torch.long)]))
+    embeds, position_ids, mask = torch.stack(rows), torch.stack(positions, dim=1), torch.stack(masks).to(device)
+    suppressed = torch.tensor(media_token_ids(model.config), dtype=torch.long)
+    out: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    for _ in range(max_new_tokens):
+        logits = model(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, use_cache=False).logits
+        probs = (mask_tokens(logits[:, -1].float(), suppressed) / temperature).softmax(-1).cpu()
+        tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]  # [B]
+        for i, token in enumerate(tokens.tolist()):
+            if not done[i]:
+                done[i] = token == eos_id
+                if not done[i]:
+                    out[i].append(token)
+        if all(done):
+            break
+        step = tokens.to(device)
+        embeds = torch.cat([embeds, table(step)[:, None]], dim=1)
+        position_ids = torch.cat([position_ids, position_ids[:, :, -1:] + 1], dim=2)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    return list(zip(out, done, strict=True))

@@ -60,16 +60,3 @@ def media_rows_logprobs(
 
         return grouped_media_logprobs(model, ids, attention, media, group_of, prompt_lengths, temperature)
     return policy_token_logprobs(model, ids, attention, temperature, rows_media(media, group_of, ids.device))
-
-
-@torch.no_grad()
-def next_token_logits(model: nn.Module, ids: torch.Tensor, media: MediaInputs | None) -> torch.Tensor:
-    """Logits [B, V] of the token after `ids` [B, T] (no padding) with the media special tokens at -inf."""
-    from workers.omni.logprobs import mask_tokens, media_tensors, media_token_ids, rope_positions
-
-    extra = {k: v.to(ids.device) for k, v in media_tensors(media or {}).items()}
-    mask = torch.ones_like(ids)
-    positions = rope_positions(model, ids, mask, extra)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, **extra).logits
-    suppressed = torch.tensor(media_token_ids(model.config), dtype=torch.long)
-    return mask_tokens(logits[:, -1].float(), suppressed)

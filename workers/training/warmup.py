@@ -17,8 +17,9 @@ from relax_bus.log import get_logger
 from workers.data.media_refs import has_media
 from workers.data.prompts import answer_ids, prompt_ids
 from workers.data.tasks import TaskItem, prompt_text
+from workers.omni.group_forward import sample_after
 from workers.training.logprobs import token_logprobs
-from workers.training.media_policy import media_rows_logprobs, next_token_logits
+from workers.training.media_policy import media_rows_logprobs
 
 if TYPE_CHECKING:
     from workers.engines.base import MediaInputs
@@ -127,17 +128,22 @@ def sampled_accuracy(trainer: PolicyTrainer, items: Sequence[TaskItem]) -> float
     generator = torch.Generator().manual_seed(trainer.cfg.seed)
     try:
         eos = tok.eos_token_id
+        if trainer.prompter is not None:  # a multimodal policy: every item in one batch per new token
+            prompts = [item_prompt(trainer, it) for it in items]
+            with trainer.autocast():
+                answers = sample_after(model, prompts, rollout.max_new_tokens, rollout.temperature, generator, eos)
+            hits = sum(
+                stopped and tok.decode(out).strip() == (it.answer or "").strip()
+                for it, (out, stopped) in zip(items, answers, strict=True)
+            )
+            return hits / max(1, len(items))
         hits = 0
         for it in items:
-            prompt, media = item_prompt(trainer, it)
-            ids = torch.tensor([prompt], device=device)
+            ids = torch.tensor([item_prompt(trainer, it)[0]], device=device)
             out: list[int] = []
             for _ in range(rollout.max_new_tokens):
                 with trainer.autocast():
-                    if trainer.prompter is not None:  # 3-D positions, media tokens never sampled
-                        logits = next_token_logits(model, ids, media)[0] / rollout.temperature
-                    else:
-                        logits = model(input_ids=ids, use_cache=False).logits[0, -1].float() / rollout.temperature
+                    logits = model(input_ids=ids, use_cache=False).logits[0, -1].float() / rollout.temperature
                 # One generator seeded alike on every rank: FSDP ranks must take identical branches.
                 token = int(torch.multinomial(logits.softmax(-1).cpu(), 1, generator=generator))
                 if token == eos:
