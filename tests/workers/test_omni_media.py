@@ -31,6 +31,7 @@ from workers.omni.tasks import (
     item_parts,
     make_items,
     read_beeps,
+    read_change,
     read_colour,
     read_direction,
 )
@@ -146,7 +147,12 @@ def test_video_patches_match_the_image_processor_on_a_still_clip() -> None:
 def test_generated_tasks_decode_and_their_answers_agree(kind: str) -> None:
     items = make_items(kind, 24, seed=7)  # type: ignore[arg-type]
     assert items == make_items(kind, 24, seed=7)  # type: ignore[arg-type]
-    answers = {"colour": set(COLOURS), "beeps": {"1", "2", "3", "4"}, "direction": set(DIRECTIONS)}[kind]
+    answers = {
+        "colour": set(COLOURS),
+        "beeps": {"1", "2", "3", "4"},
+        "direction": set(DIRECTIONS),
+        "change": set(COLOURS),
+    }[kind]
     assert {item.answer for item in items} == answers  # every answer appears in 24 draws of 4
     for item in items:
         media, question = item_parts(item)
@@ -157,7 +163,10 @@ def test_generated_tasks_decode_and_their_answers_agree(kind: str) -> None:
             read = str(read_beeps(decode_audio(item.data, 16000)))
         else:
             assert isinstance(media, VideoPart)
-            read = read_direction(decode_video(item.data, item.mime))
+            frames = decode_video(item.data, item.mime)
+            read = read_direction(frames) if kind == "direction" else read_change(frames)
+            if kind == "change":  # the first colour differs from the answer: only the frames' order tells them apart
+                assert read_change(frames[:1]) != item.answer
         assert read == item.answer
     with pytest.raises(ValueError, match="unknown omni task"):
         make_items("smell", 1)  # type: ignore[arg-type]

@@ -105,7 +105,7 @@ def test_mixed_batch_through_the_trainer_entry_point(engine: TorchEngine) -> Non
     """Rows of different media kinds in one right-padded batch score as each prompt does alone."""
     inputs = [prompts_for(engine, kind, 1, seed=1)[0] for kind in KINDS]
     prompts = [x["input_ids"][0].tolist() for x in inputs]
-    out = engine.generate(prompts, 1, SamplingSettings(max_new_tokens=5), seeds=[0, 1, 2], media=inputs)
+    out = engine.generate(prompts, 1, SamplingSettings(max_new_tokens=5), seeds=list(range(len(KINDS))), media=inputs)
     rows = [p + g[0].token_ids for p, g in zip(prompts, out, strict=True)]
     width = max(len(r) for r in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -114,7 +114,7 @@ def test_mixed_batch_through_the_trainer_entry_point(engine: TorchEngine) -> Non
         ids[i, : len(row)] = torch.tensor(row)
         mask[i, : len(row)] = 1
     with torch.no_grad():
-        logps = policy_token_logprobs(engine.model, ids, mask, 1.0, media=batch_media(inputs))  # [3, T-1]
+        logps = policy_token_logprobs(engine.model, ids, mask, 1.0, media=batch_media(inputs))  # [kinds, T-1]
     for i, (prompt, samples) in enumerate(zip(prompts, out, strict=True)):
         got = logps[i, len(prompt) - 1 : len(prompt) - 1 + len(samples[0].token_ids)]
         assert (got - torch.tensor(samples[0].logprobs)).abs().max().item() <= TOLERANCE

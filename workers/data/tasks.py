@@ -267,7 +267,7 @@ def _hf_answer(row: dict[str, Any], field: str, pattern: Any) -> str:
     return str(found.group(1) if found.groups() else found.group()).strip()
 
 
-def omni(kinds: Sequence[str] = ("colour", "beeps", "direction"), count: int = 64, seed: int = 0) -> list[TaskItem]:
+def omni(kinds: Sequence[str] = ("colour", "beeps", "change"), count: int = 64, seed: int = 0) -> list[TaskItem]:
     """`count` generated items of each kind (`workers.omni.tasks`: an image, audio or video part and a question),
     interleaved kind by kind; the task name of each item is its kind."""
     from workers.omni.tasks import KINDS, item_parts, make_items  # the media stack only for this task

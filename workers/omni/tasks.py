@@ -3,7 +3,9 @@
 - `colour`: a square of one of 4 colours on a grey 56x56 image (PNG). Answer: the colour's name.
 - `beeps`: 1 to 4 beeps (880 Hz, 0.12 s) in 1 s of 16 kHz audio (16-bit PCM WAV). Answer: the count as a digit.
 - `direction`: a white square moving left, right, up or down across 4 frames of 56x56 video
-  (`FRAMES_MIME` bytes). Answer: the direction.
+  (`FRAMES_MIME` bytes). Answer: the direction. Hard for tiny-omni: 400 supervised steps leave it at chance.
+- `change`: a square of one colour in the first two of 4 frames of 56x56 video and another colour in the last
+  two. Answer: the colour at the end (the first colour is a distractor: only the frames' order tells them apart).
 
 Each item's media is a prompt part ready for a `PromptGroup` (inline bytes). The answer words are single
 tokens of the `tiny-omni` tokenizer (`ANSWER_WORDS`; digits are single bytes already). `read_*` recover the
@@ -36,9 +38,14 @@ BACKGROUND = (128, 128, 128)
 SAMPLE_RATE = 16000
 BEEP_HZ, BEEP_S, GAP_S = 880.0, 0.12, 0.08
 FRAMES = 4
-Kind = Literal["colour", "beeps", "direction"]
-KINDS: tuple[Kind, ...] = ("colour", "beeps", "direction")
-QUESTIONS: dict[Kind, str] = {"colour": "Colour?", "beeps": "How many beeps?", "direction": "Which way?"}
+Kind = Literal["colour", "beeps", "direction", "change"]
+KINDS: tuple[Kind, ...] = ("colour", "beeps", "direction", "change")
+QUESTIONS: dict[Kind, str] = {
+    "colour": "Colour?",
+    "beeps": "How many beeps?",
+    "direction": "Which way?",
+    "change": "Colour at the end?",
+}
 """Short questions: the byte tokenizer spends one token per character, and every row of a group repeats them."""
 
 
@@ -102,6 +109,16 @@ def moving_frames(direction: str, rng: np.random.Generator) -> np.ndarray:
     return frames
 
 
+def changing_frames(first: str, last: str, rng: np.random.Generator) -> np.ndarray:
+    """FRAMES frames uint8 [T, SIDE, SIDE, 3]: a square of colour `first` in the first half, `last` in the second."""
+    size = int(rng.integers(14, 29))
+    top, left = (int(v) for v in rng.integers(0, SIDE - size + 1, size=2))
+    frames = np.full((FRAMES, SIDE, SIDE, 3), BACKGROUND, dtype=np.uint8)
+    frames[: FRAMES // 2, top : top + size, left : left + size] = COLOURS[first]
+    frames[FRAMES // 2 :, top : top + size, left : left + size] = COLOURS[last]
+    return frames
+
+
 def read_colour(image: object) -> str:
     """The name of the colour closest to the image's non-background pixels (a PIL image)."""
     pixels = np.asarray(image).reshape(-1, 3).astype(np.int32)
@@ -129,6 +146,13 @@ def read_direction(frames: np.ndarray) -> str:
     return "right" if d_col > 0 else "left"
 
 
+def read_change(frames: np.ndarray) -> str:
+    """The colour of the square in the last frame of a `change` clip."""
+    from PIL import Image
+
+    return read_colour(Image.fromarray(frames[-1]))
+
+
 def _colour_item(rng: np.random.Generator) -> OmniItem:
     colour = str(rng.choice(list(COLOURS)))
     return OmniItem("colour", "image/png", colour_image(colour, rng), QUESTIONS["colour"], colour)
@@ -154,7 +178,16 @@ def _direction_item(rng: np.random.Generator) -> OmniItem:
     return OmniItem("direction", FRAMES_MIME, buf.getvalue(), QUESTIONS["direction"], direction)
 
 
-_MAKERS = {"colour": _colour_item, "beeps": _beeps_item, "direction": _direction_item}
+def _change_item(rng: np.random.Generator) -> OmniItem:
+    from workers.omni.media import FRAMES_MIME
+
+    first, last = (str(c) for c in rng.choice(list(COLOURS), size=2, replace=False))
+    buf = io.BytesIO()
+    np.save(buf, changing_frames(first, last, rng), allow_pickle=False)
+    return OmniItem("change", FRAMES_MIME, buf.getvalue(), QUESTIONS["change"], last)
+
+
+_MAKERS = {"colour": _colour_item, "beeps": _beeps_item, "direction": _direction_item, "change": _change_item}
 
 
 def item_parts(item: OmniItem) -> tuple[Part, ...]:
