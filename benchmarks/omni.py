@@ -1,6 +1,6 @@
 """Omni-modal media on the bus and in the roles: bytes per step, processor time, step time split.
 
-    python benchmarks/omni.py [--groups 12] [--samples 8] [--epochs 10] [--repeat 5] [--threads 1]
+    python benchmarks/omni.py [--groups 12] [--samples 8] [--epochs 25] [--repeat 5] [--threads 1]
                               [--metrics runs/omni/metrics.jsonl] [--out benchmarks/results/omni.json]
 
 1. Bytes published per step (derived: the messages are built from a real tiny-omni engine's output on the omni
@@ -47,7 +47,9 @@ PHASES = ("step_s", "train_s", "data_wait_s", "admit_s", "ack_s", "weight_sync_s
 
 def group_messages(parts: tuple[Part, ...], ids: list[int], samples: list[Any], i: int) -> list[bytes]:
     """The encoded prompt, rollout, scored and train messages of one group whose prompt is `parts`."""
-    prompt = PromptGroup(run="b", group_id=f"g{i}", parts=parts, n_samples=len(samples), release_index=i)
+    prompt = PromptGroup(
+        run="b", group_id=f"g{i}", parts=parts, n_samples=len(samples), release_index=i, released_at_version=0
+    )
     rollout = RolloutGroup(
         prompt=prompt,
         prompt_token_ids=WireTensor.from_values(ids, "int32"),
@@ -111,7 +113,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", type=int, default=12)
     parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--epochs", type=int, default=10, help="passes over the items the run makes")
+    parser.add_argument(
+        "--epochs", type=int, default=25, help="passes over the items the run makes (make demo-omni: 4800 / 192)"
+    )
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--metrics", type=Path, default=Path("runs/omni/metrics.jsonl"))
@@ -150,7 +154,6 @@ def main() -> int:
             value = split[name]
             print(f"  {name:<14} {'-' if value is None else f'{value:.3f}'}")
     write_results("omni", args.out, {"bytes": table, "step_split": split})
-    print(f"\nwrote {args.out}")
     return 0
 
 
