@@ -28,6 +28,7 @@ from workers.omni.tasks import (
     COLOURS,
     DIRECTIONS,
     KINDS,
+    QUESTIONS,
     item_parts,
     make_items,
     read_beeps,
@@ -152,17 +153,24 @@ def test_generated_tasks_decode_and_their_answers_agree(kind: str) -> None:
         "beeps": {"1", "2", "3", "4"},
         "direction": set(DIRECTIONS),
         "change": set(COLOURS),
+        "mixed": {*COLOURS, "1", "2", "3", "4"},
     }[kind]
-    assert {item.answer for item in items} == answers  # every answer appears in 24 draws of 4
+    assert {item.answer for item in items} == answers  # every answer appears in 24 draws
     for item in items:
-        media, question = item_parts(item)
+        *media, question = item_parts(item)
         assert isinstance(question, TextPart) and question.text == item.question
-        if isinstance(media, ImagePart):
+        if kind == "mixed":  # an image and a clip; the question says which one the answer reads
+            image, audio = media
+            assert isinstance(image, ImagePart) and isinstance(audio, AudioPart) and audio.inline == item.audio
+            colour = read_colour(decode_image(item.data))
+            beeps = str(read_beeps(decode_audio(item.audio, 16000)))
+            read = colour if question.text == QUESTIONS["colour"] else beeps
+        elif isinstance(media[0], ImagePart):
             read = read_colour(decode_image(item.data))
-        elif isinstance(media, AudioPart):
+        elif isinstance(media[0], AudioPart):
             read = str(read_beeps(decode_audio(item.data, 16000)))
         else:
-            assert isinstance(media, VideoPart)
+            assert isinstance(media[0], VideoPart)
             frames = decode_video(item.data, item.mime)
             read = read_direction(frames) if kind == "direction" else read_change(frames)
             if kind == "change":  # the first colour differs from the answer: only the frames' order tells them apart

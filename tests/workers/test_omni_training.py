@@ -86,7 +86,8 @@ def test_the_trainer_scores_media_groups_as_the_engine_sampled_them(omni_dir):
     trainer = PolicyTrainer(omni_dir, parse_config(CONFIG))
     assert trainer.prompter is not None and not trainer.shared_prompt
     engine = TorchEngine(omni_dir)
-    parts = [*task_parts(), (TextPart(text="What colour? "),)]  # image, audio, video, and a text prompt
+    mixed = load_task({"type": "omni", "count": 1, "kinds": ["mixed"]})[0].parts
+    parts = [*task_parts(), mixed, (TextPart(text="What colour? "),)]  # image, audio, video, both, text
     groups, media = groups_from_engine(engine, parts)
     batch = make_batch(groups, media)
     with torch.no_grad():
@@ -149,7 +150,8 @@ def test_media_by_reference_names_the_payload_by_its_digest():
 
 def test_each_prompt_embedded_once_gives_the_per_row_log_probs_and_gradients(omni_dir):
     trainer = PolicyTrainer(omni_dir, parse_config(CONFIG))
-    groups, media = groups_from_engine(TorchEngine(omni_dir), [*task_parts(), (TextPart(text="Beeps? "),)])
+    mixed = load_task({"type": "omni", "count": 1, "kinds": ["mixed"]})[0].parts  # an image and audio in one prompt
+    groups, media = groups_from_engine(TorchEngine(omni_dir), [*task_parts(), mixed, (TextPart(text="Beeps? "),)])
     mb = make_batch(groups, media)
     model = trainer.model
     results = []

@@ -96,11 +96,12 @@ class HfOptions(Section):
 class OmniOptions(Section):
     """Verifiable image, audio and video questions generated in code (`workers.omni.tasks`)."""
 
-    kinds: list[Literal["colour", "beeps", "direction", "change"]] = Field(
+    kinds: list[Literal["colour", "beeps", "direction", "change", "mixed"]] = Field(
         default_factory=lambda: ["colour", "beeps", "change"], min_length=1
     )
     """Which kinds, interleaved in this order: `colour` (image), `beeps` (audio), `change` (video: the colour at
-    the end of a clip whose square changes colour), `direction` (video: which way a square moves; much harder)."""
+    the end of a clip whose square changes colour), `direction` (video: which way a square moves; much harder),
+    `mixed` (an image and an audio clip in one prompt, and a question about one of them)."""
     count: int = Field(default=64, ge=1)
     """Items of each kind."""
     seed: int = 0

@@ -6,6 +6,8 @@
   (`FRAMES_MIME` bytes). Answer: the direction. Hard for tiny-omni: 400 supervised steps leave it at chance.
 - `change`: a square of one colour in the first two of 4 frames of 56x56 video and another colour in the last
   two. Answer: the colour at the end (the first colour is a distractor: only the frames' order tells them apart).
+- `mixed`: an image (as `colour`) and 1 s of audio (as `beeps`) in one prompt, and one of the two questions.
+  Answer: the asked one's (the other medium is a distractor: the question says which to read).
 
 Each item's media is a prompt part ready for a `PromptGroup` (inline bytes). The answer words are single
 tokens of the `tiny-omni` tokenizer (`ANSWER_WORDS`; digits are single bytes already). `read_*` recover the
@@ -38,9 +40,9 @@ BACKGROUND = (128, 128, 128)
 SAMPLE_RATE = 16000
 BEEP_HZ, BEEP_S, GAP_S = 880.0, 0.12, 0.08
 FRAMES = 4
-Kind = Literal["colour", "beeps", "direction", "change"]
-KINDS: tuple[Kind, ...] = ("colour", "beeps", "direction", "change")
-QUESTIONS: dict[Kind, str] = {
+Kind = Literal["colour", "beeps", "direction", "change", "mixed"]
+KINDS: tuple[Kind, ...] = ("colour", "beeps", "direction", "change", "mixed")
+QUESTIONS: dict[str, str] = {
     "colour": "Colour?",
     "beeps": "How many beeps?",
     "direction": "Which way?",
@@ -58,6 +60,8 @@ class OmniItem:
     data: bytes
     question: str
     answer: str
+    audio: bytes = b""
+    """A `mixed` item's audio clip (WAV), after its image (`mime`, `data`)."""
 
 
 def make_items(kind: Kind, count: int, seed: int = 0) -> list[OmniItem]:
@@ -159,14 +163,26 @@ def _colour_item(rng: np.random.Generator) -> OmniItem:
 
 
 def _beeps_item(rng: np.random.Generator) -> OmniItem:
+    count = int(rng.integers(1, 5))
+    return OmniItem("beeps", "audio/wav", _wav(beeps_wave(count, rng)), QUESTIONS["beeps"], str(count))
+
+
+def _wav(wave: np.ndarray) -> bytes:
     import soundfile
 
-    count = int(rng.integers(1, 5))
     buf = io.BytesIO()
     # 16-bit PCM: a float WAV from libsndfile carries a PEAK chunk with the time of writing, so the same
     # seed would give different bytes a second later.
-    soundfile.write(buf, beeps_wave(count, rng), SAMPLE_RATE, format="WAV", subtype="PCM_16")
-    return OmniItem("beeps", "audio/wav", buf.getvalue(), QUESTIONS["beeps"], str(count))
+    soundfile.write(buf, wave, SAMPLE_RATE, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+def _mixed_item(rng: np.random.Generator) -> OmniItem:
+    colour, count = str(rng.choice(list(COLOURS))), int(rng.integers(1, 5))
+    image, audio = colour_image(colour, rng), _wav(beeps_wave(count, rng))
+    asked = "colour" if rng.integers(2) == 0 else "beeps"
+    answer = colour if asked == "colour" else str(count)
+    return OmniItem("mixed", "image/png", image, QUESTIONS[asked], answer, audio=audio)
 
 
 def _direction_item(rng: np.random.Generator) -> OmniItem:
@@ -187,16 +203,25 @@ def _change_item(rng: np.random.Generator) -> OmniItem:
     return OmniItem("change", FRAMES_MIME, buf.getvalue(), QUESTIONS["change"], last)
 
 
-_MAKERS = {"colour": _colour_item, "beeps": _beeps_item, "direction": _direction_item, "change": _change_item}
+_MAKERS = {
+    "colour": _colour_item,
+    "beeps": _beeps_item,
+    "direction": _direction_item,
+    "change": _change_item,
+    "mixed": _mixed_item,
+}
 
 
 def item_parts(item: OmniItem) -> tuple[Part, ...]:
-    """The prompt parts of an item: its media inline, then the question."""
+    """The prompt parts of an item: its media inline (a `mixed` item: the image, then the audio), then the question."""
     media: Part
-    if item.kind == "colour":
+    if item.kind in ("colour", "mixed"):
         media = ImagePart(mime=item.mime, inline=item.data, width=SIDE, height=SIDE)
     elif item.kind == "beeps":
         media = AudioPart(mime=item.mime, inline=item.data, sample_rate=SAMPLE_RATE, duration_s=1.0)
     else:
         media = VideoPart(mime=item.mime, inline=item.data, width=SIDE, height=SIDE)
+    if item.kind == "mixed":
+        audio = AudioPart(mime="audio/wav", inline=item.audio, sample_rate=SAMPLE_RATE, duration_s=1.0)
+        return (media, audio, TextPart(text=item.question))
     return (media, TextPart(text=item.question))
