@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,16 @@ def small_config(run: str, **overrides: Any) -> dict[str, Any]:
         else:
             data[key] = value
     return data
+
+
+def kill_after_step(step: int, role: str, index: int = 0) -> Callable[[Cluster], Awaitable[None]]:
+    """A run's scenario: SIGKILL worker `index` of `role` once the actor has recorded `step`."""
+
+    async def scenario(cluster: Cluster) -> None:
+        await cluster.wait_step(step)
+        cluster.kill(role, index)
+
+    return scenario
 
 
 @dataclass

@@ -22,7 +22,7 @@ from schemas import AudioPart, ImagePart, MediaRef, PromptGroup, RolloutGroup, S
 from schemas.parts import VideoPart
 from tests import factories as f
 from tests.bus.test_publish import read_all
-from tests.e2e.cluster import Cluster, small_config
+from tests.e2e.cluster import kill_after_step, small_config
 from tests.e2e.test_bad_input import dead_letters, rollout_role
 from tests.e2e.test_pipeline import run
 from workers.config import parse_config
@@ -129,11 +129,7 @@ async def test_an_omni_run_trains_every_modality_through_a_rollout_crash(nats_se
         )
     )
 
-    async def crash(cluster: Cluster) -> None:
-        await cluster.wait_step(2)
-        cluster.kill("rollout", 0)
-
-    cluster = await run(nats_server, tmp_path, config, crash)
+    cluster = await run(nats_server, tmp_path, config, kill_after_step(2, "rollout"))
     try:
         acc = await cluster.accounting()
         acc.check_exactly_once(config.trainer.steps, config.groups_per_step)

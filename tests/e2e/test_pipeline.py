@@ -9,7 +9,7 @@ import pytest
 
 from relax_bus.staleness import release_budget
 from schemas import TrainGroup, WeightsAnnouncement
-from tests.e2e.cluster import Cluster, small_config
+from tests.e2e.cluster import Cluster, kill_after_step, small_config
 from workers.config import parse_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
@@ -84,11 +84,7 @@ async def test_two_rollout_and_two_reward_workers_share_the_work(nats_server, tm
 async def test_kill_9_of_a_rollout_worker_loses_nothing(nats_server, tmp_path):
     config = parse_config(small_config(run_id(), roles={"rollout": 2}, trainer={"steps": 10}))
 
-    async def crash(cluster: Cluster) -> None:
-        await cluster.wait_step(3)
-        cluster.kill("rollout", 0)
-
-    cluster = await run(nats_server, tmp_path, config, crash)
+    cluster = await run(nats_server, tmp_path, config, kill_after_step(3, "rollout"))
     try:
         acc = await cluster.accounting()
         acc.check_exactly_once(config.trainer.steps, config.groups_per_step)

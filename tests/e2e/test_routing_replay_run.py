@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from tests.e2e.cluster import Cluster, small_config
+from tests.e2e.cluster import kill_after_step, small_config
 from tests.e2e.test_pipeline import run
 from workers.config import parse_config
 from workers.training.batch import routed_experts
@@ -29,11 +29,7 @@ async def test_r3_run_replays_the_rollouts_routing_through_a_rollout_crash(nats_
     )
     assert config.reference  # the reference role is in the chain and replays the routing too
 
-    async def crash(cluster: Cluster) -> None:
-        await cluster.wait_step(2)
-        cluster.kill("rollout", 0)
-
-    cluster = await run(nats_server, tmp_path, config, crash)
+    cluster = await run(nats_server, tmp_path, config, kill_after_step(2, "rollout"))
     try:
         acc = await cluster.accounting()
         acc.check_exactly_once(config.trainer.steps, config.groups_per_step)

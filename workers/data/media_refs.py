@@ -75,6 +75,10 @@ class PayloadCache:
         self.fetched_bytes = 0
         """Bytes read from the store or disk since the start (cache misses only)."""
 
+    def __contains__(self, ref: object) -> bool:
+        """True when `ref`'s payload is held (read before, not evicted since)."""
+        return ref in self._held
+
     async def payloads(self, parts: Sequence[Part]) -> dict[MediaRef, bytes]:
         """The bytes of every referenced payload of `parts`; MediaError names one that cannot be read."""
         out: dict[MediaRef, bytes] = {}

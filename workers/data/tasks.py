@@ -1,52 +1,30 @@
 """Datasets as a registry: `load_task({"type": ..., **options})` returns the task's items in order.
 
 Built-in types: `addition` and `reverse` (synthetic, verifiable, small enough for a tiny model),
-`jsonl` (one prompt per line, with optional image/audio/video parts) and `hf` (a local dataset file or
-directory through Hugging Face `datasets`: parquet, JSON Lines, CSV, arrow, or a `save_to_disk`
-directory, with field mapping). Adding a type is one loader function plus one line in `TASKS`.
+`jsonl` (one prompt per line, with optional image/audio/video parts; `workers.data.jsonl_task`), `hf` (a
+local dataset file or directory through Hugging Face `datasets`: parquet, JSON Lines, CSV, arrow, or a
+`save_to_disk` directory, with field mapping) and `omni` (image, audio and video questions generated in code).
+Adding a type is one loader function plus one line in `TASKS`.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import functools
 import inspect
-import json
-import mimetypes
 import random
 import string
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from schemas import ChatTurn
-from schemas.parts import AudioPart, ImagePart, MediaRef, Part, TextPart, VideoPart
+from schemas.parts import Part, TextPart
+from workers.data.jsonl_task import jsonl
+from workers.data.task_items import TaskItem, check_limit, report_errors
 
-MAX_REPORTED_ERRORS = 20
-_PartModel = type[TextPart] | type[ImagePart] | type[AudioPart] | type[VideoPart]
-_MEDIA_TYPES: dict[str, _PartModel] = {
-    "image": ImagePart,
-    "audio": AudioPart,
-    "video": VideoPart,
-}
-
-
-@dataclass(frozen=True)
-class TaskItem:
-    """One problem of a task: the prompt parts, the reference answer and where it comes from."""
-
-    parts: tuple[Part, ...]
-    answer: str | None
-    task: str
-    """Task name; it names the default reward (see `workers.data.rewards.default_rewards`)."""
-    index: int
-    """Row of the dataset, 0-based, in the order returned."""
-    history: tuple[ChatTurn, ...] = ()
-    """Earlier turns of a conversation, before `parts` (the user's latest turn)."""
+__all__ = ["TASKS", "TaskItem", "epoch_order", "jsonl", "load_task", "prompt_text"]
 
 
 @functools.lru_cache(maxsize=4)
@@ -77,7 +55,7 @@ def addition(
         raise ValueError(f"addition: template {template!r} may only name {{a}} and {{b}}: {err}") from None
     if not 1 <= digits <= 3:
         raise ValueError(f"addition: digits must be 1, 2 or 3, got {digits}")
-    _check_limit("addition", limit)
+    check_limit("addition", limit)
     top = 10**digits
     pairs = [(a, b) for a in range(top) for b in range(top)]
     if seed is not None:
@@ -101,32 +79,6 @@ def reverse(min_len: int = 3, max_len: int = 6, count: int = 100, seed: int = 0)
         n = rng.randint(min_len, max_len)
         words["".join(rng.choices(string.ascii_lowercase, k=n))] = None
     return [_text_item(f"rev:{w}=", w[::-1], "reverse", i) for i, w in enumerate(words)]
-
-
-def jsonl(path: str | Path, task: str = "jsonl", limit: int | None = None) -> list[TaskItem]:
-    """One item per non-blank line; every bad line is reported at once, with its line number."""
-    _check_limit("jsonl", limit)
-    file = Path(path)
-    try:
-        lines = file.read_text(encoding="utf-8").splitlines()
-    except OSError as err:
-        raise ValueError(f"jsonl task file {str(file)!r} cannot be read: {err.strerror or err}") from None
-    items: list[TaskItem] = []
-    errors: list[tuple[int, str]] = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            parts, answer, name = _parse_record(line, file.parent)
-        except ValueError as err:
-            errors.append((lineno, _describe(err)))
-            continue
-        items.append(TaskItem(parts=parts, answer=answer, task=name or task, index=len(items)))
-    if errors:
-        raise ValueError(_report(f"{file}", "line", errors))
-    if not items:
-        raise ValueError(f"{file}: no tasks (the file has no non-blank line)")
-    return items[:limit]
 
 
 _HF_FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
@@ -154,7 +106,7 @@ def hf(
     """
     import re
 
-    _check_limit("hf", limit)
+    check_limit("hf", limit)
     rows = _hf_rows(Path(path), split)
     pattern = re.compile(answer_regex) if answer_regex else None
     items: list[TaskItem] = []
@@ -172,7 +124,7 @@ def hf(
             continue
         items.append(TaskItem((TextPart(text=text),), answer, task, len(items), history))
     if errors:
-        raise ValueError(_report(f"{path} ({split})", "row", errors))
+        raise ValueError(report_errors(f"{path} ({split})", "row", errors))
     if not items:
         raise ValueError(f"{path} ({split}): no rows")
     if seed is not None:
@@ -305,107 +257,5 @@ def load_task(spec: Mapping[str, Any]) -> list[TaskItem]:
     return loader(**options)
 
 
-def _report(where: str, unit: str, errors: list[tuple[int, str]]) -> str:
-    """Every bad line or row of a dataset in one message (the first MAX_REPORTED_ERRORS of them)."""
-    shown = "\n".join(f"  {unit} {n}: {msg}" for n, msg in errors[:MAX_REPORTED_ERRORS])
-    more = f"\n  ... and {len(errors) - MAX_REPORTED_ERRORS} more" if len(errors) > MAX_REPORTED_ERRORS else ""
-    return f"{where}: {len(errors)} bad {unit}(s):\n{shown}{more}"
-
-
 def _text_item(prompt: str, answer: str, task: str, index: int) -> TaskItem:
     return TaskItem(parts=(TextPart(text=prompt),), answer=answer, task=task, index=index)
-
-
-def _check_limit(task: str, limit: int | None) -> None:
-    if limit is not None and limit < 1:
-        raise ValueError(f"{task}: limit must be at least 1, got {limit}")
-
-
-def _parse_record(line: str, base: Path) -> tuple[tuple[Part, ...], str | None, str | None]:
-    """Parts, answer and task name of one JSONL line; ValueError says what is wrong with it."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"not valid JSON ({err.msg} at column {err.colno})") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-    try:
-        json.dumps(record, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as err:  # a "\udXXX" JSON escape with no pair: no message could carry it
-        bad = err.object[err.start : err.end]
-        raise ValueError(f"holds {bad!r}, a lone surrogate, which is not valid Unicode text") from None
-    if "prompt" not in record:
-        raise ValueError("missing 'prompt'")
-    prompt = record["prompt"]
-    if isinstance(prompt, str):
-        parts: tuple[Part, ...] = (TextPart(text=prompt),)
-    elif isinstance(prompt, list) and prompt:
-        parts = tuple(_parse_part(p, i, base) for i, p in enumerate(prompt))
-    else:
-        raise ValueError("'prompt' must be a string or a non-empty list of parts")
-    answer = record.get("answer")
-    if isinstance(answer, int | float) and not isinstance(answer, bool):
-        answer = str(answer)
-    elif answer is not None and not isinstance(answer, str):
-        raise ValueError(f"'answer' must be a string, a number or null, got {type(answer).__name__}")
-    name = record.get("task")
-    if name is not None and not (isinstance(name, str) and name):
-        raise ValueError("'task' must be a non-empty string")
-    return parts, answer, name
-
-
-def _parse_part(part: Any, i: int, base: Path) -> Part:
-    """One element of a prompt list: text as is, media from a `path` (read inline), a `uri` (a reference) or
-    `base64` bytes (inline; `mime` required)."""
-    where = f"prompt[{i}]"
-    if not isinstance(part, dict):
-        raise ValueError(f"{where} must be an object, got {type(part).__name__}")
-    kind = part.get("type")
-    if kind == "text":
-        return _validate(TextPart, part, where)
-    model = _MEDIA_TYPES.get(kind) if isinstance(kind, str) else None
-    if model is None:
-        raise ValueError(f"{where} has unknown type {kind!r} (known: text, {', '.join(_MEDIA_TYPES)})")
-    fields = dict(part)
-    path, uri, b64 = fields.pop("path", None), fields.pop("uri", None), fields.pop("base64", None)
-    if sum(x is not None for x in (path, uri, b64)) != 1:
-        raise ValueError(f"{where} ({kind}) needs exactly one of 'path', 'uri' or 'base64'")
-    if b64 is not None:
-        if "mime" not in fields:
-            raise ValueError(f"{where} ({kind}) with 'base64' needs a 'mime'")
-        try:
-            fields["inline"] = base64.b64decode(str(b64), validate=True)
-        except (binascii.Error, ValueError) as err:
-            raise ValueError(f"{where} ({kind}) 'base64' is not valid base64: {err}") from None
-        return _validate(model, fields, where)
-    source = str(path if path is not None else uri)
-    if "mime" not in fields:
-        guessed, _ = mimetypes.guess_type(source)
-        if guessed is None:
-            raise ValueError(f"{where} ({kind}) has no 'mime' and none can be guessed from {source!r}")
-        fields["mime"] = guessed
-    if path is not None:
-        file = base / str(path)
-        try:
-            fields["inline"] = file.read_bytes()
-        except OSError as err:
-            raise ValueError(f"{where} ({kind}) cannot read {str(file)!r}: {err.strerror or err}") from None
-    else:
-        fields["ref"] = MediaRef(uri=source)
-    return _validate(model, fields, where)
-
-
-def _validate(model: _PartModel, fields: dict[str, Any], where: str) -> Part:
-    try:
-        return model.model_validate(fields)
-    except ValidationError as err:
-        raise ValueError(f"{where} ({fields.get('type')}): {_describe(err)}") from None
-
-
-def _describe(err: ValueError) -> str:
-    """One readable line for a parse error; pydantic errors become `field: message; ...`."""
-    if isinstance(err, ValidationError):
-        return "; ".join(
-            f"{'.'.join(str(x) for x in e['loc']) or 'value'}: {e['msg']}" for e in err.errors(include_url=False)
-        )
-    return str(err)

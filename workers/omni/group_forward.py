@@ -44,6 +44,14 @@ def prompt_embeds(model: nn.Module, inputs: MediaInputs) -> tuple[torch.Tensor, 
     return embeds[0], positions[:, 0]
 
 
+def prompt_head(model: nn.Module, ids: torch.Tensor, inputs: MediaInputs | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt's embeddings [P, H] and 3-D positions [3, P]: `prompt_embeds` of its processor tensors, or for a
+    text prompt (`inputs` None) the plain embeddings of `ids` [P] with one position per token on all three axes."""
+    if inputs is not None:
+        return prompt_embeds(model, {k: v.to(ids.device) for k, v in inputs.items()})
+    return model.get_input_embeddings()(ids), torch.arange(len(ids), device=ids.device).expand(3, -1)
+
+
 def grouped_media_logprobs(
     model: nn.Module,
     ids: torch.Tensor,
@@ -57,22 +65,15 @@ def grouped_media_logprobs(
     tensors are `media[g]`, None for a text prompt), each prompt embedded once; 0 at pads and media targets."""
     device = ids.device
     lengths = attention.sum(-1).tolist()
-    prompts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for g in dict.fromkeys(group_of):
-        inputs = media[g]
-        if inputs is not None:
-            prompts[g] = prompt_embeds(model, {k: v.to(device) for k, v in inputs.items()})
+    first = {g: r for r, g in reversed(list(enumerate(group_of)))}  # each group's first row
+    prompts = {g: prompt_head(model, ids[r, : prompt_lengths[r]], media[g]) for g, r in first.items()}
     table = model.get_input_embeddings()
     rows, positions = [], []
     width = ids.shape[1]
     for r, (g, p, n) in enumerate(zip(group_of, prompt_lengths, lengths, strict=True)):
-        if g in prompts:
-            head, head_pos = prompts[g]
-            if head.shape[0] != p:
-                raise ValueError(f"row {r}: prompt of {p} tokens, but its media prompt has {head.shape[0]}")
-        else:  # a text prompt: plain embeddings, one position per token on all three axes
-            head = table(ids[r, :p])
-            head_pos = torch.arange(p, device=device).expand(3, p)
+        head, head_pos = prompts[g]
+        if head.shape[0] != p:
+            raise ValueError(f"row {r}: prompt of {p} tokens, but its media prompt has {head.shape[0]}")
         tail = table(ids[r, p:])  # the response and the padding
         steps = torch.arange(1, width - p + 1, device=device)
         tail_pos = (head_pos[:, -1].max() + steps).expand(3, -1).clone()
@@ -102,13 +103,7 @@ def sample_after(
     it ended at `eos_id` (not included) within `max_new_tokens`."""
     device = next(model.parameters()).device
     table = model.get_input_embeddings()
-    heads = []
-    for ids, inputs in prompts:
-        if inputs is not None:
-            heads.append(prompt_embeds(model, {k: v.to(device) for k, v in inputs.items()}))
-        else:
-            tokens = torch.tensor(ids, device=device)
-            heads.append((table(tokens), torch.arange(len(ids), device=device).expand(3, -1)))
+    heads = [prompt_head(model, torch.tensor(ids, device=device), inputs) for ids, inputs in prompts]
     width = max(h.shape[0] for h, _ in heads)
     rows, positions, masks = [], [], []
     for head, pos in heads:

@@ -244,11 +244,7 @@ class Actor:
         lags = collections.Counter(version - h.message.policy_version for h in batch)
         # In release order, not arrival order: the update does not depend on which worker answered first.
         groups = sorted((h.message for h in batch), key=lambda g: g.scored.rollout.prompt.release_index)
-        media = self.media.take(groups)
-        if any(m is not None for m in media):
-            metrics = await asyncio.to_thread(self.trainer.step, groups, version, media)  # type: ignore[call-arg]
-        else:
-            metrics = await asyncio.to_thread(self.trainer.step, groups, version)
+        metrics = await asyncio.to_thread(self.trainer.step, groups, version, self.media.take(groups))
         metrics = {**metrics, **self.media.metrics(groups)}
         sync_started = time.perf_counter()
         await self._published()  # v is readable before v+1 starts: versions advance in order

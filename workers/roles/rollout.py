@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 from urllib.parse import unquote, urlparse
 
 from relax_bus.bus import Bus
@@ -32,7 +33,7 @@ from workers.data.media_refs import PayloadCache, has_media
 from workers.data.models import load_tokenizer, materialize
 from workers.data.prompts import prompt_ids
 from workers.data.tasks import prompt_text
-from workers.engines.base import Engine, Generated, MediaInputs, SamplingSettings, make_engine
+from workers.engines.base import Engine, Generated, MediaEngine, MediaInputs, SamplingSettings, make_engine
 from workers.omni.errors import MediaError
 from workers.omni.loading import is_multimodal
 from workers.omni.logprobs import check_positions
@@ -150,7 +151,8 @@ class Rollout:
         started = time.perf_counter()
         media = [r.media for r in requests]
         if any(m is not None for m in media):  # partial rollouts are refused for multimodal models at start
-            outputs = await asyncio.to_thread(self.engine.generate, ids, n, self.sampling, seeds, media)  # type: ignore[call-arg]
+            engine = cast(MediaEngine, self.engine)
+            outputs = await asyncio.to_thread(engine.generate, ids, n, self.sampling, seeds, media)
             groups = [(version, tuple(sample_of(g) for g in samples)) for samples in outputs]
         elif cfg.partial == "off":
             outputs = await asyncio.to_thread(self.engine.generate, ids, n, self.sampling, seeds)
@@ -231,7 +233,7 @@ class Rollout:
         """Reject a prompt whose media reference names no object in the run's media store (or no local file)."""
         for i, part in enumerate(prompt.parts):
             ref = part.ref if isinstance(part, MediaPart) else None
-            if ref is None:
+            if ref is None or ref in self.payloads:  # read already: it exists (the store lookup is a round trip)
                 continue
             where = f"prompt part {i} ({part.type})"
             media = self.bus.media

@@ -32,8 +32,10 @@ class SimulatedTrainer(PolicyTrainer):
         self.sim = sim
         self.rng = random.Random(sim.seed)
 
-    def step(self, groups: Sequence[TrainGroup], version: int | None = None) -> dict[str, float]:
-        """Sleep for one drawn step time; return the metrics a real step reports."""
+    def step(
+        self, groups: Sequence[TrainGroup], version: int | None = None, media: Sequence[object] = ()
+    ) -> dict[str, float]:
+        """Sleep for one drawn step time; return the metrics a real step reports (`media` is not looked at)."""
         started = time.perf_counter()
         seconds = self.sim.step_s * (self.rng.lognormvariate(0.0, self.sim.sigma) if self.sim.sigma else 1.0)
         time.sleep(seconds)

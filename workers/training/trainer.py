@@ -103,9 +103,14 @@ class PolicyTrainer:
         self.model.train()
         if self.world > 1:
             self._shard()
-        # One forward per backward under FSDP2 and with checkpointing (which turns the KV cache off).
-        self.shared_prompt = self.cfg.shared_prompt and self.world == 1 and not self.cfg.activation_checkpointing
-        self.shared_prompt = self.shared_prompt and self.prompter is None  # media prompts: one pass per row
+        # One forward per backward under FSDP2 and with checkpointing (which turns the KV cache off); a multimodal
+        # policy shares each prompt its own way (`workers.omni.group_forward`).
+        self.shared_prompt = (
+            self.cfg.shared_prompt
+            and self.world == 1
+            and not self.cfg.activation_checkpointing
+            and self.prompter is None
+        )
         replay = self.cfg.routing_replay
         self.routing = (
             None if replay == "off" else TrainerRouting(self.model, replay, self.cfg.routing_metrics_fraction)

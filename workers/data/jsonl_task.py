@@ -1,0 +1,142 @@
+"""The `jsonl` task type: one prompt per line, text or a list of text / image / audio / video parts.
+
+A media part gives its bytes as exactly one of `path` (read at load, relative to the file), `uri` (a reference
+the workers open) or `base64` (inline; `mime` required). Every bad line is reported at once, with its number.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import mimetypes
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from schemas.parts import AudioPart, ImagePart, MediaRef, Part, TextPart, VideoPart
+from workers.data.task_items import TaskItem, check_limit, report_errors
+
+_PartModel = type[TextPart] | type[ImagePart] | type[AudioPart] | type[VideoPart]
+_MEDIA_TYPES: dict[str, _PartModel] = {
+    "image": ImagePart,
+    "audio": AudioPart,
+    "video": VideoPart,
+}
+
+
+def jsonl(path: str | Path, task: str = "jsonl", limit: int | None = None) -> list[TaskItem]:
+    """One item per non-blank line; every bad line is reported at once, with its line number."""
+    check_limit("jsonl", limit)
+    file = Path(path)
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise ValueError(f"jsonl task file {str(file)!r} cannot be read: {err.strerror or err}") from None
+    items: list[TaskItem] = []
+    errors: list[tuple[int, str]] = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            parts, answer, name = _parse_record(line, file.parent)
+        except ValueError as err:
+            errors.append((lineno, _describe(err)))
+            continue
+        items.append(TaskItem(parts=parts, answer=answer, task=name or task, index=len(items)))
+    if errors:
+        raise ValueError(report_errors(f"{file}", "line", errors))
+    if not items:
+        raise ValueError(f"{file}: no tasks (the file has no non-blank line)")
+    return items[:limit]
+
+
+def _parse_record(line: str, base: Path) -> tuple[tuple[Part, ...], str | None, str | None]:
+    """Parts, answer and task name of one JSONL line; ValueError says what is wrong with it."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not valid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as err:  # a "\udXXX" JSON escape with no pair: no message could carry it
+        bad = err.object[err.start : err.end]
+        raise ValueError(f"holds {bad!r}, a lone surrogate, which is not valid Unicode text") from None
+    if "prompt" not in record:
+        raise ValueError("missing 'prompt'")
+    prompt = record["prompt"]
+    if isinstance(prompt, str):
+        parts: tuple[Part, ...] = (TextPart(text=prompt),)
+    elif isinstance(prompt, list) and prompt:
+        parts = tuple(_parse_part(p, i, base) for i, p in enumerate(prompt))
+    else:
+        raise ValueError("'prompt' must be a string or a non-empty list of parts")
+    answer = record.get("answer")
+    if isinstance(answer, int | float) and not isinstance(answer, bool):
+        answer = str(answer)
+    elif answer is not None and not isinstance(answer, str):
+        raise ValueError(f"'answer' must be a string, a number or null, got {type(answer).__name__}")
+    name = record.get("task")
+    if name is not None and not (isinstance(name, str) and name):
+        raise ValueError("'task' must be a non-empty string")
+    return parts, answer, name
+
+
+def _parse_part(part: Any, i: int, base: Path) -> Part:
+    """One element of a prompt list: text as is, media from a `path` (read inline), a `uri` (a reference) or
+    `base64` bytes (inline; `mime` required)."""
+    where = f"prompt[{i}]"
+    if not isinstance(part, dict):
+        raise ValueError(f"{where} must be an object, got {type(part).__name__}")
+    kind = part.get("type")
+    if kind == "text":
+        return _validate(TextPart, part, where)
+    model = _MEDIA_TYPES.get(kind) if isinstance(kind, str) else None
+    if model is None:
+        raise ValueError(f"{where} has unknown type {kind!r} (known: text, {', '.join(_MEDIA_TYPES)})")
+    fields = dict(part)
+    path, uri, b64 = fields.pop("path", None), fields.pop("uri", None), fields.pop("base64", None)
+    if sum(x is not None for x in (path, uri, b64)) != 1:
+        raise ValueError(f"{where} ({kind}) needs exactly one of 'path', 'uri' or 'base64'")
+    if b64 is not None:
+        if "mime" not in fields:
+            raise ValueError(f"{where} ({kind}) with 'base64' needs a 'mime'")
+        try:
+            fields["inline"] = base64.b64decode(str(b64), validate=True)
+        except (binascii.Error, ValueError) as err:
+            raise ValueError(f"{where} ({kind}) 'base64' is not valid base64: {err}") from None
+        return _validate(model, fields, where)
+    source = str(path if path is not None else uri)
+    if "mime" not in fields:
+        guessed, _ = mimetypes.guess_type(source)
+        if guessed is None:
+            raise ValueError(f"{where} ({kind}) has no 'mime' and none can be guessed from {source!r}")
+        fields["mime"] = guessed
+    if path is not None:
+        file = base / str(path)
+        try:
+            fields["inline"] = file.read_bytes()
+        except OSError as err:
+            raise ValueError(f"{where} ({kind}) cannot read {str(file)!r}: {err.strerror or err}") from None
+    else:
+        fields["ref"] = MediaRef(uri=source)
+    return _validate(model, fields, where)
+
+
+def _validate(model: _PartModel, fields: dict[str, Any], where: str) -> Part:
+    try:
+        return model.model_validate(fields)
+    except ValidationError as err:
+        raise ValueError(f"{where} ({fields.get('type')}): {_describe(err)}") from None
+
+
+def _describe(err: ValueError) -> str:
+    """One readable line for a parse error; pydantic errors become `field: message; ...`."""
+    if isinstance(err, ValidationError):
+        return "; ".join(
+            f"{'.'.join(str(x) for x in e['loc']) or 'value'}: {e['msg']}" for e in err.errors(include_url=False)
+        )
+    return str(err)
