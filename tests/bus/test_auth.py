@@ -285,7 +285,7 @@ class FakeTrainer:
     def warmup(self, items: list[Any]) -> dict[str, float]:
         return {"warmup_steps": 0.0, "warmup_accuracy": 0.0}
 
-    def step(self, groups: list[Any], version: int | None = None) -> dict[str, float]:
+    def step(self, groups: list[Any], version: int | None = None, media: Any = None) -> dict[str, float]:
         self.steps += 1
         rewards = [r for g in groups for r in g.scored.rewards]
         return {"reward_mean": sum(rewards) / len(rewards), "loss": 0.0}
