@@ -6,18 +6,22 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Generic
 
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 
 from relax_bus.blobs import BlobStore
 from relax_bus.connection import connect
+from relax_bus.log import get_logger
 from relax_bus.provision import read_config, state_kv
 from relax_bus.publisher import Publisher
 from relax_bus.settings import C, ConnectionSettings, RunConfig
 from relax_bus.topology import Topology, build_topology
 from relax_bus.version import PolicyVersion
 from schemas import Message
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -91,12 +95,21 @@ class Bus(Generic[C]):
         return await self.publisher.publish(self.topology.subject(subject_key), message, msg_id)
 
     async def close(self) -> None:
-        """Flush and close the connection (pending acks and publishes go out first)."""
-        if not self.nc.is_closed:
+        """Flush and close the connection (pending acks and publishes go out first). Never raises: a connection
+        whose server is gone (stopped at the same moment, as `compose down` does) is closed without the flush,
+        and what it held unacknowledged is redelivered to another worker."""
+        if self.nc.is_closed:
+            return
+        if self.nc.is_connected:
             try:
                 await self.nc.drain()
-            except Exception:  # tolerated: draining a connection that is already broken
-                await self.nc.close()
+                return
+            except Exception as err:  # tolerated: the connection broke while draining
+                log.info("bus_drain_failed", error=type(err).__name__)
+        try:
+            await self.nc.close()
+        except (nats.errors.Error, OSError) as err:  # tolerated: the transport is already gone
+            log.info("bus_closed_without_flush", error=type(err).__name__)
 
     async def __aenter__(self) -> Bus[C]:
         return self

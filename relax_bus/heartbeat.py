@@ -29,6 +29,9 @@ from schemas.messages import SCHEMA_MAJOR
 
 log = get_logger(__name__)
 
+REMOVE_WAIT_S = 2.0
+"""How long a stopping writer waits for its entry's removal before leaving it to its TTL."""
+
 
 def process_heartbeat(
     run: str,
@@ -111,10 +114,17 @@ class HeartbeatWriter:
             await cancel_and_wait(self._task)
             self._task = None
         if remove:
-            try:
-                await self.kv.delete(self.key)
-            except (nats.errors.Error, OSError):
-                pass  # tolerated: the TTL removes it anyway
+            # Bounded: with the server gone (stopped together with this process, as `compose down` does) the
+            # delete would wait for a reply that never comes. The entry's TTL removes it anyway.
+            deleting = asyncio.create_task(self.kv.delete(self.key), name=f"heartbeat-remove:{self.key}")
+            await asyncio.wait({deleting}, timeout=REMOVE_WAIT_S)
+            if not deleting.done():
+                log.info("heartbeat_left_to_expire", key=self.key, waited_s=REMOVE_WAIT_S)
+                await cancel_and_wait(deleting)
+            elif isinstance(deleting.exception(), (nats.errors.Error, OSError)):
+                log.debug("heartbeat_left_to_expire", key=self.key, error=type(deleting.exception()).__name__)
+            else:
+                deleting.result()
 
 
 async def live_workers(kv: KeyValue) -> list[WorkerHeartbeat]:

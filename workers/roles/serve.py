@@ -18,11 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from relax_bus.bus import Bus
+from relax_bus.cancel import cancel_and_wait
+from relax_bus.log import get_logger
 from relax_bus.settings import ConnectionSettings
 from relax_bus.worker import Worker
 from workers.config import PipelineConfig
 from workers.errors import RoleNotInRun
 from workers.roles.registry import role_def
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -57,9 +61,15 @@ async def run_role(role: str, settings: ConnectionSettings, run: str, work_dir: 
     before_bus: Callable[[RoleContext], Awaitable[bool]] | None = getattr(module, "before_bus", None)
     if before_bus is not None and await before_bus(ctx):
         return 0
-    bus = await Bus.connect(
-        settings, run, name=f"relax-{role}", retry_for_s=settings.connect_retry_s, config_model=PipelineConfig
-    )
+    # Stoppable while it waits for its server: as a container's PID 1, a process without a handler ignores
+    # SIGTERM, and `compose down` would wait out the stop grace period before killing it.
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, ctx.stop.set)
+    bus = await _connect_unless_stopped(settings, run, role, ctx.stop)
+    if bus is None:
+        log.info("role_stopped_before_connecting", role=role, run=run)
+        return 0
     if all(r.name != role for r in bus.config.chain):
         await bus.close()
         why = f" ({entry.why_absent})" if entry.why_absent else ""
@@ -68,9 +78,6 @@ async def run_role(role: str, settings: ConnectionSettings, run: str, work_dir: 
     if entry.nodes(bus.config) > 1:
         await _join_nodes(bus, entry.ranks(bus.config), entry.nodes(bus.config))
     ctx.bus = bus
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, ctx.stop.set)
     try:
         await module.serve(ctx)
     finally:
@@ -107,3 +114,22 @@ async def run_worker(
         stopper.cancel()
         if cleanup is not None:
             await cleanup()
+
+
+async def _connect_unless_stopped(
+    settings: ConnectionSettings, run: str, role: str, stop: asyncio.Event
+) -> Bus[PipelineConfig] | None:
+    """The run's bus, retrying for `settings.connect_retry_s`; None if `stop` is set first."""
+    connecting = asyncio.create_task(
+        Bus.connect(
+            settings, run, name=f"relax-{role}", retry_for_s=settings.connect_retry_s, config_model=PipelineConfig
+        )
+    )
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    await cancel_and_wait(stopping)
+    if not connecting.done():
+        await cancel_and_wait(connecting)
+    if connecting.cancelled() or (stop.is_set() and connecting.exception() is not None):
+        return None
+    return connecting.result()
