@@ -245,6 +245,35 @@ class BlobStore:
         except nats.js.errors.NotFoundError:
             return []
 
+    async def clear_orphans(self) -> int:
+        """Clear the chunks that no object's info record names and return how many uploads they were.
+
+        A put cut off by SIGKILL (no `except` runs) leaves its chunks in the stream for good: a checkpoint's
+        worth of bytes per crash. Only its single writer may call this, before it writes: the chunks of a
+        put still in flight look the same."""
+        prefix = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj="")
+        chunks = await self._subjects(prefix + ">")
+        if not chunks:
+            return 0
+        named = set()
+        for subject in await self._subjects(OBJ_META_PRE_TEMPLATE.format(bucket=self.bucket, obj=">")):
+            msg = await self.js.get_last_msg(self.stream, subject)
+            named.add(api.ObjectInfo.from_response(json.loads(msg.data or b"{}")).nuid)
+        cleared = 0
+        for subject, count in chunks.items():
+            if subject.removeprefix(prefix) in named:
+                continue
+            if count == 1 and not (await self.js.get_last_msg(self.stream, subject)).data:
+                continue  # already cleared: only the rollup marker is left
+            await self._clear(subject)
+            cleared += 1
+        return cleared
+
+    async def _subjects(self, subjects_filter: str) -> dict[str, int]:
+        """Message count per subject of the store's stream that matches the filter."""
+        info = await self.js.stream_info(self.stream, subjects_filter=subjects_filter)
+        return dict(info.state.subjects or {})
+
     async def _publish_chunk(self, subject: str, piece: memoryview, name: str, size: int) -> None:
         """Publish one chunk and wait for its ack; a full store raises PublishFailed naming the setting to raise."""
         try:

@@ -3,6 +3,7 @@ import os
 
 import nats.errors
 import pytest
+from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE
 
 from relax_bus.blobs import digest_of
 from relax_bus.envelope import CLAIM, open_message
@@ -90,6 +91,25 @@ async def test_blob_round_trip_sizes(bus):
     await bus.weights.delete("v1")
     with pytest.raises(BlobNotFound):
         await bus.weights.get("v1")
+
+
+async def test_chunks_of_a_cut_off_upload_are_cleared_and_nothing_else(bus):
+    store = bus.weights
+    await store.put("kept", b"k" * (store.chunk_size + 10))  # two chunks
+    await store.put("replaced", b"old")
+    await store.put("replaced", b"new")  # the old chunks: cleared by put
+    await store.put("deleted", b"d")
+    await store.delete("deleted")
+    # What a put SIGKILLed after its chunks and before its info record leaves: chunks no record names.
+    cut = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=store.bucket, obj="cutoffupload")
+    for _ in range(3):
+        await bus.js.publish(cut, b"c" * 100)
+    assert await store.clear_orphans() == 1
+    assert not (await bus.js.get_last_msg(store.stream, cut)).data, "the cut-off chunks were not cleared"
+    assert await store.get("kept") == b"k" * (store.chunk_size + 10)
+    assert await store.get("replaced") == b"new"
+    assert sorted(await store.names()) == ["kept", "replaced"]
+    assert await store.clear_orphans() == 0  # cleared subjects and the live objects are left alone
 
 
 async def test_full_stream_pushes_back_then_fails_clearly(make_bus):

@@ -65,7 +65,7 @@ def real_config(model_dir: Path, engine: str, weights_root: Path) -> dict:
             # Decoupled weight decay moves every matrix at every update, so the exported weights differ from
             # the base even when a 135M model earns the same reward on every sample of a step (no gradient).
             "weight_decay": 0.1,
-            "checkpoint_every": 2,
+            "checkpoint_every": 4,  # at the start and the end: the export reads the last one
             "mini_batches": 2,
             "micro_batch_tokens": 256,
             "warmup": {"max_steps": 0},

@@ -1,0 +1,102 @@
+"""SIGKILL of the trainer in the middle of an asynchronous checkpoint's upload.
+
+Checkpoints are saved in the background while the next steps train, and the KV record names one only
+once its object is whole. Killed mid-upload, the actor leaves chunks that no object names and a record
+that still names the previous checkpoint: the restarted actor clears those chunks, resumes from that
+previous checkpoint, and the run still trains every group exactly once.
+
+The kill is timed by the bus itself: the test subscribes to the weights store's chunk subjects and
+SIGKILLs the actor on the first chunk of an upload (weights travel through the filesystem here, so
+every upload into the store is a checkpoint), with a checkpoint of ~75 MB in flight.
+"""
+
+from __future__ import annotations
+
+import json
+
+import nats.js.errors
+import pytest
+from nats.aio.msg import Msg
+from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE
+
+from relax_bus.state_keys import TRAINER_CHECKPOINT
+from tests.e2e.cluster import Cluster, small_config
+from tests.e2e.test_pipeline import run_id
+from tests.waiting import until
+from workers.config import parse_config
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
+
+STEPS = 8
+
+
+def events(log: str, name: str) -> list[dict]:
+    return [e for e in map(_json, log.splitlines()) if e.get("event") == name]
+
+
+def _json(line: str) -> dict:
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+async def test_sigkill_mid_checkpoint_resumes_from_the_previous_complete_one(nats_server, tmp_path):
+    config = parse_config(
+        small_config(
+            run_id(),
+            model={"source": "tiny:512x2"},  # 6.3 M parameters: model and optimizer state make ~75 MB to upload
+            trainer={"steps": STEPS, "checkpoint_every": 2},
+            weights={"type": "filesystem", "root": str(tmp_path / "weights")},
+        )
+    )
+    cluster = await Cluster.start(nats_server.url, config, tmp_path)
+    try:
+        bus = cluster.bus
+        assert bus is not None
+        store = bus.weights
+        await until(lambda: _record(cluster), lambda r: r is not None, 240, "the step-0 checkpoint's record")
+        cut: list[str] = []
+
+        async def on_chunk(msg: Msg) -> None:
+            if not cut:
+                cluster.kill("actor")
+                cut.append(msg.subject)
+
+        chunks = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=store.bucket, obj="*")
+        sub = await bus.nc.subscribe(chunks, cb=on_chunk, pending_bytes_limit=1 << 30)
+        await until(lambda: list(cut), bool, 240, "an upload into the weights store after the first checkpoint")
+        await sub.unsubscribe()
+        record = await _record(cluster)
+        assert record is not None
+        nuid = cut[0].rsplit(".", 1)[1]
+        # The kill landed mid-upload: chunks in the stream that no object names, the record on the one before.
+        left = (await bus.js.get_last_msg(store.stream, cut[0])).data
+        assert left, "the cut-off upload left no chunk behind"
+        named = [await store.info(name) for name in await store.names()]
+        assert nuid not in {i.nuid for i in named if i is not None}, f"the upload finished before the kill: {named}"
+        assert await store.get(record["object"]), "the record names a checkpoint that cannot be read"
+
+        cluster.restart("actor")
+        await cluster.wait_done(timeout_s=360)
+        acc = await cluster.accounting()
+        acc.check_exactly_once(STEPS, config.groups_per_step)
+        log = cluster.role("actor").log_path.read_text()
+        resumed = events(log, "actor_resumed")
+        assert [e["step"] for e in resumed] == [record["step"]], resumed
+        assert [e["uploads"] for e in events(log, "cut_off_uploads_cleared")] == [1]
+        assert not (await bus.js.get_last_msg(store.stream, cut[0])).data, "the cut-off chunks are still stored"
+        final = await _record(cluster)
+        assert final is not None and final["step"] == STEPS
+    finally:
+        await cluster.stop()
+
+
+async def _record(cluster: Cluster) -> dict | None:
+    assert cluster.bus is not None
+    try:
+        entry = await cluster.bus.state.get(TRAINER_CHECKPOINT)
+    except nats.js.errors.KeyNotFoundError:  # no checkpoint yet
+        return None
+    return json.loads(entry.value or b"{}") or None
