@@ -94,7 +94,8 @@ def permissions(topology: Topology, role: str) -> Permissions:
     if g.reads_dead_letters:
         pub += _ordered_reader(t.stream("dlq").name)
     if g.writes_weights:
-        pub += [f"$O.{weights}.>", f"{API}.STREAM.PURGE.OBJ_{weights}"]
+        # The stream's info: its subjects, to find the chunks of an upload a crash cut off (`clear_orphans`).
+        pub += [f"$O.{weights}.>", f"{API}.STREAM.PURGE.OBJ_{weights}", f"{API}.STREAM.INFO.OBJ_{weights}"]
     if g.observes:
         pub += _infos(t)
     return Permissions(tuple(dict.fromkeys(pub)), tuple(dict.fromkeys(sub)))
