@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import statistics
 import uuid
 
 import pytest
@@ -53,12 +54,16 @@ async def test_vllm_rollouts_train_and_reward_rises(nats_server, tmp_path):
         acc = await cluster.accounting()
         acc.check_exactly_once(config.trainer.steps, config.groups_per_step)
         assert {g.scored.rollout.engine for g in acc.train_groups} == {"vllm"}
-        # Each mean covers 5 x 128 samples: the noise of the difference is ~0.02, so a rise above 0.1 is learning,
-        # not luck. Seen here: 0.086 -> 0.358 and 0.119 -> 0.297 (groups are seeded, but vLLM's CPU kernels
-        # round differently for different batch shapes, and a flipped sample changes the rest of the run).
+        # The rise of the least-squares line through every step's mean reward. A step's mean scatters by ~0.055
+        # around that line (its 128 samples are correlated within groups), so the fitted rise over 60 steps has a
+        # noise of ~0.024: above 0.08 is learning, not luck. Seen: a fitted rise of 0.19; first-five vs last-five
+        # step means of 0.086 -> 0.358, 0.119 -> 0.297 and 0.083 -> 0.183 (those two five-step windows alone
+        # are too noisy to judge by: one run failed a 0.1 threshold on them). Groups are seeded, but vLLM's
+        # CPU kernels round differently for different batch shapes, and a flipped sample changes the rest.
         rewards = [m.values["reward_mean"] for m in acc.metrics]
-        start, end = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-        assert end - start > 0.1, (start, end)
+        fit = statistics.linear_regression(range(len(rewards)), rewards)
+        rise = fit.slope * (len(rewards) - 1)
+        assert rise > 0.08, (round(rise, 3), [round(r, 3) for r in rewards])
         # On-policy, so the recorded mismatch is the engines' own disagreement on the same weights.
         mismatch = [m.values["logprob_mismatch"] for m in acc.metrics]
         assert max(mismatch) < 1e-3, mismatch
