@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE
 
 from relax_bus.state_keys import TRAINER_CHECKPOINT
-from tests.e2e.cluster import Cluster, small_config
+from tests.e2e.cluster import Cluster, role_events, small_config
 from tests.e2e.test_pipeline import run_id
 from tests.waiting import until
 from workers.config import parse_config
@@ -28,18 +28,6 @@ from workers.config import parse_config
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 
 STEPS = 8
-
-
-def events(log: str, name: str) -> list[dict]:
-    return [e for e in map(_json, log.splitlines()) if e.get("event") == name]
-
-
-def _json(line: str) -> dict:
-    try:
-        value = json.loads(line)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 async def test_sigkill_mid_checkpoint_resumes_from_the_previous_complete_one(nats_server, tmp_path):
@@ -82,10 +70,10 @@ async def test_sigkill_mid_checkpoint_resumes_from_the_previous_complete_one(nat
         await cluster.wait_done(timeout_s=360)
         acc = await cluster.accounting()
         acc.check_exactly_once(STEPS, config.groups_per_step)
-        log = cluster.role("actor").log_path.read_text()
-        resumed = events(log, "actor_resumed")
+        actor = cluster.role("actor")
+        resumed = role_events(actor, "actor_resumed")
         assert [e["step"] for e in resumed] == [record["step"]], resumed
-        assert [e["uploads"] for e in events(log, "cut_off_uploads_cleared")] == [1]
+        assert [e["uploads"] for e in role_events(actor, "cut_off_uploads_cleared")] == [1]
         assert not (await bus.js.get_last_msg(store.stream, cut[0])).data, "the cut-off chunks are still stored"
         final = await _record(cluster)
         assert final is not None and final["step"] == STEPS

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -45,6 +46,20 @@ def small_config(run: str, **overrides: Any) -> dict[str, Any]:
         else:
             data[key] = value
     return data
+
+
+def role_events(role: RoleProcess, name: str) -> list[dict[str, Any]]:
+    """The events called `name` in a role's JSON log (every incarnation), oldest first. A line cut short by a
+    SIGKILL, or any other text, is skipped."""
+    found = []
+    for line in role.log_path.read_text().splitlines() if role.log_path.exists() else []:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("event") == name:
+            found.append(event)
+    return found
 
 
 def kill_after_step(step: int, role: str, index: int = 0) -> Callable[[Cluster], Awaitable[None]]:

@@ -4,12 +4,11 @@ rollout worker is SIGKILLed mid-run and a new one joins: the newcomer maps the c
 
 from __future__ import annotations
 
-import json
 import uuid
 
 import pytest
 
-from tests.e2e.cluster import Cluster, small_config
+from tests.e2e.cluster import Cluster, role_events, small_config
 from tests.waiting import until
 from workers.config import parse_config
 from workers.launch.processes import RoleProcess
@@ -37,13 +36,13 @@ async def test_a_run_with_shm_weights_trains_every_group_once_and_prunes_its_seg
         assert cluster.bus is not None
         current, _ = await cluster.bus.version.get()
         joiner.start()
-        loaded = await until(lambda: _events(joiner, "weights_loaded"), bool, 120, "the new worker's first load")
+        loaded = await until(lambda: role_events(joiner, "weights_loaded"), bool, 120, "the new worker's first load")
         assert loaded[0]["version"] >= max(current, 1), f"joined at v{current}, first loaded {loaded}"
         await cluster.wait_done()
         acc = await cluster.accounting()
         acc.check_exactly_once(config.trainer.steps, config.groups_per_step)
         assert max(g.policy_version for g in acc.train_groups) > 0  # rollouts loaded published versions
-        new_id = _events(joiner, "worker_started")[0]["worker"]
+        new_id = role_events(joiner, "worker_started")[0]["worker"]
         joined = [g.policy_version for g in acc.train_groups if g.scored.rollout.worker_id == new_id]
         assert joined and min(joined) >= loaded[0]["version"], (joined, loaded)
         names = sorted(p.name for p in segments.dir.iterdir())
@@ -53,9 +52,3 @@ async def test_a_run_with_shm_weights_trains_every_group_once_and_prunes_its_seg
         await cluster.stop()
         segments.remove_run()
     assert not segments.dir.exists()
-
-
-def _events(role: RoleProcess, name: str) -> list[dict]:
-    """The role's log events called `name`, oldest first."""
-    lines = role.log_path.read_text().splitlines() if role.log_path.exists() else []
-    return [e for e in (json.loads(line) for line in lines if line.startswith("{")) if e.get("event") == name]

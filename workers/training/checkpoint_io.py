@@ -11,6 +11,13 @@ import torch
 from workers.errors import CheckpointRefused
 
 
+def write_checkpoint(state: dict[str, Any]) -> bytes:
+    """`state` (tensors, containers and numbers only) as the bytes `read_checkpoint` reads."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
 def read_checkpoint(data: bytes) -> dict[str, Any]:
     """A checkpoint written by `PolicyTrainer.checkpoint_bytes`, read without running code: `torch.load` with
     `weights_only=True` accepts tensors, containers and numbers only. CheckpointRefused otherwise."""

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import io
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -59,7 +58,7 @@ from workers.data.tasks import TaskItem
 from workers.engines.base import MediaInputs
 from workers.training.advantages import group_advantages, overlong_penalty
 from workers.training.batch import Batch, make_batch, older_tokens, untrainable
-from workers.training.checkpoint_io import cloned, read_checkpoint
+from workers.training.checkpoint_io import cloned, read_checkpoint, write_checkpoint
 from workers.training.corrections import CORRECTION_METRICS
 from workers.training.devices import autocast, compute_dtype, resolve_device
 from workers.training.logprobs import token_logprobs
@@ -164,10 +163,7 @@ class PolicyTrainer:
 
     def serialize_checkpoint(self, state: dict[str, Any]) -> bytes:
         """`checkpoint_state`'s result as torch.save bytes (tensors, containers and numbers only); b"" on ranks > 0."""
-        buf = io.BytesIO()
-        if self.rank == 0:
-            torch.save(state, buf)
-        return buf.getvalue()
+        return write_checkpoint(state) if self.rank == 0 else b""
 
     def restore(self, data: bytes) -> dict[str, Any]:
         """Load a checkpoint written by `checkpoint_bytes`; return its `extra` (ranks > 0 may pass b"")."""
