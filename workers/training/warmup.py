@@ -7,9 +7,10 @@ Everything here runs on every FSDP2 rank alike (`warmup` is a mirrored trainer c
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -61,7 +62,7 @@ def run_warmup(trainer: PolicyTrainer, items: Sequence[TaskItem]) -> dict[str, f
     rng = random.Random(trainer.cfg.seed)
     accuracy = 0.0
     step = 0
-    best: tuple[float, int, dict[str, torch.Tensor]] | None = None
+    best: tuple[float, int, dict[str, torch.Tensor], dict[str, Any]] | None = None
     for step in range(1, wcfg.max_steps + 1):
         loss = _sft_step(trainer, opt, [examples[rng.randrange(len(examples))] for _ in range(wcfg.batch_size)])
         if step % wcfg.check_every == 0:
@@ -70,10 +71,11 @@ def run_warmup(trainer: PolicyTrainer, items: Sequence[TaskItem]) -> dict[str, f
             if accuracy >= wcfg.target_accuracy:
                 break
             if best is None or accuracy > best[0]:
-                best = (accuracy, step, {k: v.detach().clone() for k, v in model.state_dict().items()})
+                weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                best = (accuracy, step, weights, copy.deepcopy(opt.state_dict()))
     if best is not None and best[0] > accuracy:
         model.load_state_dict(best[2])
-        opt = torch.optim.AdamW(model.parameters(), lr=wcfg.lr)
+        opt.load_state_dict(best[3])  # the optimizer as it was at that check: its moments belong to those weights
         log.info("warmup_best_restored", step=best[1], accuracy=round(best[0], 3), final=round(accuracy, 3))
         accuracy = best[0]
     answers = [a for _, a in examples]
