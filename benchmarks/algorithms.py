@@ -4,7 +4,7 @@
                                     [--out benchmarks/results/algorithms.json]
 
 examples/demo.yaml's task, model and warm-up (run once, in this process; every row starts from the weights it
-leaves), then `--steps` colocated GRPO steps per row (generate, score, train; `benchmarks/modes.py`'s `Colocated`,
+leaves), then `--steps` colocated GRPO steps per row (generate, score, train; `benchmarks/colocated.py`'s `Colocated`,
 no bus, one torch thread). The engine runs ONE VERSION BEHIND the trainer, as a `max_staleness: 1` run does in
 steady state (SIMULATED here: after each step the engine loads the previous step's weights), so the off-policy
 corrections have a gap to correct. Each row changes only what its name says from the demo's settings. Reported:
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from modes import DEMO, Colocated, moving_average, warm_start
+from colocated import DEMO, Colocated, moving_average, warm_start
 from pipeline import write_results
 
 from workers.config import PipelineConfig, load_config

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from modes import rollout_group
+from colocated import rollout_group
 from pipeline import write_results
 
 from relax_bus import log

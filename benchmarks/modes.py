@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from colocated import DEMO, evaluate, moving_average, phase_times, run_colocated, warm_start
 from pipeline import read_train_groups, write_results
 
 from relax_bus import log
@@ -45,116 +46,27 @@ from relax_bus.bus import Bus
 from relax_bus.connection import connect
 from relax_bus.server import EmbeddedServer
 from relax_bus.settings import ConnectionSettings
-from schemas import PromptGroup, RolloutGroup, RunEvent, TrainGroup, WireTensor, decode
-from workers.config import PipelineConfig, load_config, task_spec
-from workers.data.models import materialize
-from workers.data.prompts import prompt_ids
-from workers.data.tasks import load_task, prompt_text
-from workers.engines.base import SamplingSettings
-from workers.engines.torch_engine import TorchEngine
+from schemas import RunEvent, decode
+from workers.config import PipelineConfig, load_config
 from workers.launch.launcher import launch
-from workers.roles.feeder import group_for
-from workers.roles.reward import make_scorer_from, score_group
-from workers.roles.rollout import sample_of
-from workers.training.trainer import PolicyTrainer
-
-DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo.yaml"
+from workers.weights import make_transport
 
 
-def mode_config(base: PipelineConfig, mode: str, warm: Path, steps: int) -> PipelineConfig:
+def mode_config(
+    base: PipelineConfig, mode: str, warm: Path, steps: int, correction: str | None = None, seed: int = 0
+) -> PipelineConfig:
+    """The demo at one max_staleness (and off-policy correction: the config's default when None); `seed` is the
+    rollout's sampling seed (a repeat of the same run draws other samples)."""
     data = base.model_dump()
-    data["run"] = f"modes-s{mode}"
+    data["run"] = f"modes-s{mode}" + (f"-{correction}" if correction else "") + (f"-r{seed}" if seed else "")
     data["staleness"]["max_staleness"] = mode
+    data["rollout"]["seed"] = seed
+    if correction:
+        data["trainer"]["correction"] = {"type": correction}
     data["model"]["source"] = str(warm)
     data["trainer"].update(steps=steps, checkpoint_every=steps)
     data["trainer"]["warmup"]["max_steps"] = 0
     return PipelineConfig.model_validate(data)
-
-
-def warm_start(base: PipelineConfig, work: Path) -> tuple[Path, dict[str, float]]:
-    """Run the demo's supervised warm-up once and save the weights it leaves as a model directory."""
-    torch.set_num_threads(1)  # as the actor does it (two threads stall on a shared two-core machine)
-    model_dir = materialize(base.model.source, work / "base", base.model.seed)
-    trainer = PolicyTrainer(model_dir, base)
-    info = trainer.warmup(load_task(task_spec(base.task)))
-    warm = work / "warm"
-    trainer.model.save_pretrained(warm, safe_serialization=True)
-    trainer.tokenizer.save_pretrained(warm)
-    return warm, info
-
-
-class Colocated:
-    """Generate, score, train, load: one process, no bus."""
-
-    def __init__(self, config: PipelineConfig, model_dir: Path) -> None:
-        self.config = config
-        self.engine = TorchEngine(model_dir, record_routing=config.trainer.routing_replay == "r3")
-        self.trainer = PolicyTrainer(model_dir, config)
-        self.scorer = make_scorer_from(config)
-        self.items = load_task(task_spec(config.task))
-        r = config.rollout
-        self.sampling = SamplingSettings(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
-        self.released = 0
-
-    def step(self, version: int) -> dict[str, float]:
-        cfg, tok = self.config, self.trainer.tokenizer
-        prompts = [self._prompt(self.released + i, version) for i in range(cfg.groups_per_step)]
-        self.released += len(prompts)
-        m = cfg.model
-        ids = [prompt_ids(tok, prompt_text(p.parts), m.prompt_format, m.system_prompt) for p in prompts]
-        t0 = time.perf_counter()
-        outputs = self.engine.generate(ids, cfg.samples_per_group, self.sampling)
-        t1 = time.perf_counter()
-        groups = [
-            TrainGroup(scored=score_group(self.scorer, rollout_group(p, i, out, version)))
-            for p, i, out in zip(prompts, ids, outputs, strict=True)
-        ]
-        t2 = time.perf_counter()
-        metrics = self.trainer.step(groups)
-        t3 = time.perf_counter()
-        self.engine.load_state_dict(self.trainer.full_state(), version + 1)
-        t4 = time.perf_counter()
-        return {
-            "reward_mean": metrics["reward_mean"],
-            "gen_s": t1 - t0,
-            "score_s": t2 - t1,
-            "train_s": t3 - t2,
-            "sync_s": t4 - t3,
-            "step_s": t4 - t0,
-        }
-
-    def _prompt(self, index: int, version: int) -> PromptGroup:
-        return group_for("colocated", self.config.samples_per_group, self.items, index, version)
-
-    def close(self) -> None:
-        self.scorer.close()
-
-
-def rollout_group(prompt: PromptGroup, ids: list[int], samples: list[Any], version: int) -> RolloutGroup:
-    return RolloutGroup(
-        prompt=prompt,
-        prompt_token_ids=WireTensor.from_values(ids, "int32"),
-        samples=tuple(sample_of(g) for g in samples),
-        policy_version=version,
-    )
-
-
-def run_colocated(config: PipelineConfig, warm: Path, steps: int, threads: int) -> list[dict[str, float]]:
-    torch.set_num_threads(threads)
-    colocated = Colocated(config, warm)
-    rows = []
-    try:
-        for step in range(1, steps + 1):
-            rows.append({"step": float(step), **colocated.step(step - 1), "at": time.time()})
-    finally:
-        colocated.close()
-    return rows
-
-
-def phase_times(config: PipelineConfig, warm: Path, steps: int, threads: int) -> dict[str, float]:
-    """Median generate and train seconds of a demo step with `threads` torch threads (fresh weights)."""
-    rows = run_colocated(config, warm, steps + 1, threads)[1:]  # the first call pays one-off set-up costs
-    return {key: statistics.median(r[key] for r in rows) for key in ("gen_s", "score_s", "train_s", "sync_s")}
 
 
 async def run_mode(config: PipelineConfig, run_dir: Path) -> dict[str, Any]:
@@ -169,10 +81,18 @@ async def run_mode(config: PipelineConfig, run_dir: Path) -> dict[str, Any]:
             bus = await Bus.attach(nc, config.run, PipelineConfig)
             groups = await read_train_groups(bus)
             steps = await step_records(bus)
+            final = await make_transport(bus).fetch(config.trainer.steps)  # the weights the run ends with
         finally:
             await nc.close()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {"summary": summary, "started": started, "metrics": metrics, "groups": groups, "steps": steps}
+    return {
+        "summary": summary,
+        "started": started,
+        "metrics": metrics,
+        "groups": groups,
+        "steps": steps,
+        "final": final,
+    }
 
 
 async def step_records(bus: Bus) -> dict[int, list[str]]:
@@ -193,10 +113,6 @@ async def step_records(bus: Bus) -> dict[int, list[str]]:
 
 def label(mode: str) -> str:
     return "unbounded" if mode == "unbounded" else f"staleness {mode}"
-
-
-def moving_average(values: list[float], window: int = 5) -> list[float]:
-    return [statistics.fmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
 
 
 def summarise(name: str, rows: list[dict[str, float]], args: argparse.Namespace) -> dict[str, Any]:
@@ -276,7 +192,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     warm, warm_info = await asyncio.to_thread(warm_start, base, work)
     print(f"warm-up: {warm_info['warmup_steps']:.0f} supervised steps, accuracy {warm_info['warmup_accuracy']:.2f}")
     config = mode_config(base, "0", warm, args.steps)
-    colocated = await asyncio.to_thread(run_colocated, config, warm, args.steps, 2)
+    colocated, coloc_final = await asyncio.to_thread(run_colocated, config, warm, args.steps, 2)
     print(f"colocated: {colocated[-1]['at'] - colocated[0]['at']:.1f}s", flush=True)
     phases = {
         "2 threads": {
@@ -285,23 +201,48 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "1 thread": await asyncio.to_thread(phase_times, config, warm, args.phase_steps, 1),
     }
     torch.set_num_threads(1)  # this process now only follows the runs
+    default_correction = base.trainer.correction.type
     results: list[dict[str, Any]] = []
     curves: dict[str, list[dict[str, float]]] = {}
-    for mode in args.modes:
-        run = await run_mode(mode_config(base, mode, warm, args.steps), work / f"s{mode}")
-        row = summarise_bus(label(mode), run, args)
-        results.append(row)
-        curves[f"max_staleness {mode}"] = run["metrics"]
-        print(f"{row['mode']}: {row['wall_s']:.1f}s, reward {row['reward_final']:.2f}", flush=True)
+    for repeat in range(args.repeats):
+        for mode in args.modes:
+            for correction in args.corrections:
+                run_config = mode_config(base, mode, warm, args.steps, correction, repeat)
+                run = await run_mode(run_config, work / f"s{mode}-{correction}-r{repeat}")
+                row = summarise_bus(label(mode), run, args)
+                row.update(
+                    correction=correction,
+                    repeat=repeat,
+                    default=correction == default_correction,
+                    reward_eval=await asyncio.to_thread(evaluate, run_config, warm, run["final"], args.eval_samples),
+                )
+                results.append(row)
+                curves[f"max_staleness {mode}, {correction}" + (f", seed {repeat}" if repeat else "")] = run["metrics"]
+                print(
+                    f"{row['mode']} ({correction}, seed {repeat}): {row['wall_s']:.1f}s, trained reward "
+                    f"{row['reward_final']:.2f}, final weights {row['reward_eval']:.2f}",
+                    flush=True,
+                )
     # Two threads on two cores stall whenever another process takes a core: the colocated run is the one
     # most disturbed by load on a shared machine, so it runs again after the others and the faster counts.
     torch.set_num_threads(2)
-    again = await asyncio.to_thread(run_colocated, config, warm, args.steps, 2)
+    again, again_final = await asyncio.to_thread(run_colocated, config, warm, args.steps, 2)
     torch.set_num_threads(1)
     walls = [rows[-1]["at"] - rows[0]["at"] for rows in (colocated, again)]
     print(f"colocated again: {walls[1]:.1f}s", flush=True)
-    colocated = colocated if walls[0] <= walls[1] else again
-    results.insert(0, {**summarise("colocated", colocated, args), "walls_s": walls})
+    colocated, coloc_final = (colocated, coloc_final) if walls[0] <= walls[1] else (again, again_final)
+    coloc_eval = await asyncio.to_thread(evaluate, config, warm, coloc_final, args.eval_samples)
+    results.insert(
+        0,
+        {
+            **summarise("colocated", colocated, args),
+            "walls_s": walls,
+            "correction": default_correction,
+            "repeat": 0,
+            "default": False,
+            "reward_eval": coloc_eval,
+        },
+    )
     curves = {"colocated (2 threads, no bus)": colocated, **curves}
     # Throughput is a mean, so the bound is made of means: the colocated run's step, and generation and
     # training as the rollout worker and the actor (one thread each) did them in the runs above.
@@ -320,7 +261,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "overlap_bound_medians": coloc_median / max(one["gen_s"], one["train_s"]),
         "disjoint_devices_bound": coloc_median / max(two["gen_s"], two["train_s"]),
     }
-    on_policy = next((r for r in results if r["mode"] == label("0")), None)
+    on_policy = next((r for r in results if r["mode"] == label("0") and r["default"]), None)
     for r in results:
         r["speedup_vs_colocated"] = r["steps_per_hour"] / results[0]["steps_per_hour"]
         r["speedup_vs_staleness_0"] = r["steps_per_hour"] / on_policy["steps_per_hour"] if on_policy else None
@@ -331,8 +272,28 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "phases": phases,
         "bound": bound,
         "rows": results,
+        "spread": spreads(results),
         "seconds": time.perf_counter() - started,
     }
+
+
+def spreads(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per correction: each mode's final reward averaged over the repeats, and the largest distance of a mode's
+    average from max_staleness 0's, for the trained groups' reward (`reward_final`) and for the final weights'
+    measured reward (`reward_eval`)."""
+    out: dict[str, dict[str, Any]] = {}
+    piped = [r for r in rows if r["mode"] != "colocated"]
+    keys = ("reward_final", "reward_eval")
+    for correction in dict.fromkeys(r["correction"] for r in piped):
+        same = [r for r in piped if r["correction"] == correction]
+        means = {
+            mode: {k: statistics.fmean(r[k] for r in same if r["mode"] == mode) for k in keys}
+            for mode in dict.fromkeys(r["mode"] for r in same)
+        }
+        base = means.get(label("0"))
+        if base is not None:
+            out[correction] = {"means": means, **{k: max(abs(m[k] - base[k]) for m in means.values()) for k in keys}}
+    return out
 
 
 def lag_text(histogram: dict[str, int]) -> str:
@@ -349,6 +310,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=120, help="optimizer steps per run (default 120)")
     p.add_argument("--long", action="store_true", help="250 steps per run, as in the demo")
     p.add_argument("--modes", default="0,1,2,unbounded", help="max_staleness values (default 0,1,2,unbounded)")
+    p.add_argument("--corrections", default="tis", help="off-policy corrections, each run in every mode (default tis)")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each mode and correction, rollout seeds 0.. (1)")
+    p.add_argument("--eval-samples", type=int, default=16, help="samples per task item for the final weights (16)")
     p.add_argument("--threshold", type=float, default=0.6, help="reward for time-to-threshold (default 0.6)")
     p.add_argument("--last", type=int, default=10, help="steps averaged for the final reward (default 10)")
     p.add_argument("--phase-steps", type=int, default=8, help="steps timed for the 1-thread phases (default 8)")
@@ -359,13 +323,15 @@ def main() -> None:
     if args.long:
         args.steps = 250
     args.modes = [m.strip() for m in args.modes.split(",")]
+    args.corrections = [c.strip() for c in args.corrections.split(",")]
     log.configure("warning")
     result = asyncio.run(bench(args))
 
     rows, b = result["rows"], result["bound"]
     header = (
-        f"{'mode':11} {'wall s':>7} {'steps/h':>8} {'vs coloc':>8} {'vs s=0':>7} {'t->' + str(args.threshold):>7} "
-        f"{'reward':>6} {'drop/req':>8} {'trainer idle':>12} {'rollout idle':>12} {'bus':>6}  lag histogram"
+        f"{'mode':11} {'corr':6} {'seed':>4} {'wall s':>7} {'steps/h':>8} {'vs coloc':>8} {'vs s=0':>7} "
+        f"{'t->' + str(args.threshold):>7} {'reward':>6} {'final':>6} {'drop/req':>8} {'trainer idle':>12} "
+        f"{'rollout idle':>12} {'bus':>6}  lag histogram"
     )
     print(header)
     print("-" * (len(header) + 10))
@@ -380,8 +346,9 @@ def main() -> None:
             else f"{'-':>8} {'-':>12} {'-':>12} {'-':>6}"
         )
         print(
-            f"{r['mode']:11} {r['wall_s']:7.1f} {r['steps_per_hour']:8.0f} {r['speedup_vs_colocated']:7.2f}x "
-            f"{vs0:>7} {reached:>7} {r['reward_final']:6.2f} {extra}  {hist}"
+            f"{r['mode']:11} {r['correction']:6} {r['repeat']:4} {r['wall_s']:7.1f} {r['steps_per_hour']:8.0f} "
+            f"{r['speedup_vs_colocated']:7.2f}x {vs0:>7} {reached:>7} {r['reward_final']:6.2f} "
+            f"{r['reward_eval']:6.2f} {extra}  {hist}"
         )
     print(
         f"\noverlap bound of this machine: colocated step {b['colocated_step_s'] * 1e3:.0f} ms (2 threads, mean) / "
@@ -391,10 +358,18 @@ def main() -> None:
         f"{b['disjoint_devices_bound']:.2f}x (2 threads each, i.e. disjoint devices)"
     )
     print(
-        f"{args.steps} steps per run; wall and rates from step 1 to the last; reward = mean of the last {args.last} "
-        f"steps; t->{args.threshold} = seconds from step 1 until the 5-step average reaches it; bus = the trainer's "
+        f"{args.steps} steps per run; wall and rates from step 1 to the last; reward = mean reward of the groups "
+        f"trained in the last {args.last} steps (samples of the weights of version step - lag); final = mean reward "
+        f"of the weights the run ends with, every task item x {args.eval_samples} samples, the same seeds for every "
+        f"row; t->{args.threshold} = seconds from step 1 until the 5-step average reaches it; bus = the trainer's "
         f"decode/judge + acks + weight publish per step; plot: {args.plot}"
     )
+    for correction, spread in result["spread"].items():
+        means = ", ".join(f"{mode} {m['reward_eval']:.3f}" for mode, m in spread["means"].items())
+        print(
+            f"{correction}, mean over {args.repeats} seed(s): final weights {means}; largest distance from "
+            f"max_staleness 0: {spread['reward_eval']:.3f} (trained reward: {spread['reward_final']:.3f})"
+        )
     write_results("modes", Path(args.out), result)
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from modes import DEMO, Colocated, rollout_group, warm_start
+from colocated import DEMO, Colocated, rollout_group, warm_start
 from pipeline import write_results
 
 from schemas import TrainGroup, encode

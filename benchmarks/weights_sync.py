@@ -132,7 +132,7 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
             shm = SharedMemoryTransport(f"bench-{config.run}", keep=1)
             transports = {
                 "object store": ObjectStoreTransport(bus),
-                "file": FilesystemTransport(bus, work / "fs"),
+                "file": FilesystemTransport(config.run, 1, work / "fs"),
                 "shm": shm,
                 "memory": MemoryTransport(),
             }
