@@ -112,7 +112,7 @@ async def test_a_pruned_segment_stays_readable_through_views_already_taken(shm):
 async def test_temp_segments_of_dead_publishers_are_pruned(shm):
     await shm.publish(0, sample_state(), step=0)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    orphan = shm.dir / f".v7.safetensors.tmp-{int(dead.stdout)}"
+    orphan = shm.dir / f".v7.safetensors.tmp-{os.uname().nodename}-{int(dead.stdout)}"
     orphan.write_bytes(b"half written")
     await shm.publish(1, sample_state(1), step=1)
     assert not orphan.exists()

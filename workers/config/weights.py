@@ -33,6 +33,9 @@ class FilesystemWeights(_Weights):
     type: Literal["filesystem"]
     root: str = Field(min_length=1)
     """Directory shared by every process of the run."""
+    verify: bool = True
+    """Check each fetched file against the SHA-256 its publisher wrote into it (shared storage can serve a truncated
+    or damaged file); a mismatch is refused."""
 
 
 class ShmWeights(_Weights):
@@ -43,6 +46,9 @@ class ShmWeights(_Weights):
     type: Literal["shm"]
     dir: str = Field(default="/dev/shm", min_length=1)
     """A tmpfs (RAM-backed) directory; the segments go into a `relax-<uid>` folder in it only this uid can write."""
+    verify: bool = False
+    """Check each mapped segment against the SHA-256 its publisher wrote into it: one pass over the segment per
+    fetch, about as long as the fetch itself (off by default: a segment never leaves this host's memory and uid)."""
 
 
 WeightsConfig = Annotated[

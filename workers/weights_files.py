@@ -1,0 +1,299 @@
+"""Weights as safetensors files: the format every transport moves, and the two transports that keep whole files
+where the engines can read them (`filesystem` on storage every worker mounts, `shm` in one host's shared memory).
+
+A file is laid out by `layout`: every tensor aligned to its item size, so a reader builds the tensors as views
+into the bytes it read or mapped (`from_buffer`), and the header's metadata names the SHA-256 of the data
+section. A publisher writes a temp file and renames it into place (a reader sees a whole file or none); a temp
+file left by a publisher killed mid-write is removed by the next publish. A reader with `verify` checks the
+digest and refuses a file whose bytes differ from what was published (`BlobCorrupt`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import mmap
+import os
+import re
+import shutil
+import socket
+import stat
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from relax_bus.errors import BlobCorrupt, BlobNotFound
+from schemas import WeightsAnnouncement
+
+StateDict = dict[str, torch.Tensor]
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+SAFETENSORS_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
+DONE = re.compile(r"v(\d+)\.safetensors")
+TEMP = re.compile(r"\.v(\d+)\.safetensors\.tmp-(.+)-(\d+)")
+"""A publisher's temp file: `.v<version>.safetensors.tmp-<host>-<pid>`."""
+
+
+def to_bytes(state: StateDict) -> bytes:
+    """Serialize a state dict as safetensors (tied tensors are written once each, as copies)."""
+    return st_save({k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()})
+
+
+def from_buffer(buf: bytearray | memoryview | mmap.mmap) -> StateDict:
+    """The tensors of a safetensors buffer as views into it, without copying (the buffer is theirs from now on).
+
+    Layout: 8-byte little-endian header length n, a JSON header {name: {dtype, shape, data_offsets}},
+    then the data. Falls back to a copying load for a dtype not listed or a misaligned tensor.
+    """
+    header, base = read_header(buf)
+    header.pop("__metadata__", None)
+    state: StateDict = {}
+    for name, spec in header.items():
+        dtype = SAFETENSORS_DTYPES.get(spec["dtype"])
+        start, end = spec["data_offsets"]
+        if dtype is None or (base + start) % dtype.itemsize:
+            return st_load(bytes(buf))
+        raw = torch.frombuffer(buf, dtype=torch.uint8, count=end - start, offset=base + start) if end > start else None
+        tensor = raw.view(dtype) if raw is not None else torch.empty(0, dtype=dtype)
+        state[name] = tensor.reshape(spec["shape"])
+    return state
+
+
+def read_header(buf: bytearray | memoryview | mmap.mmap) -> tuple[dict[str, Any], int]:
+    """A safetensors buffer's JSON header and where its data starts."""
+    n = int.from_bytes(buf[:8], "little")
+    return json.loads(bytes(buf[8 : 8 + n])), 8 + n
+
+
+def check_digest(buf: bytearray | memoryview | mmap.mmap, where: str) -> None:
+    """Refuse a buffer whose data is not what its publisher hashed (a file without a digest is refused too)."""
+    header, base = read_header(buf)
+    want = header.get("__metadata__", {}).get("sha256")
+    if want is None:
+        raise BlobCorrupt(f"{where} carries no sha256 in its metadata: it was not written by a weight transport")
+    got = hashlib.sha256(memoryview(buf)[base:]).hexdigest()
+    if got != want:
+        raise BlobCorrupt(f"{where}: data sha256 {got[:16]}... differs from the published {want[:16]}...")
+
+
+def layout(state: StateDict) -> tuple[bytes, list[tuple[int, torch.Tensor]]]:
+    """A safetensors header for `state` and each tensor's absolute offset after it, every tensor aligned to its
+    item size (largest items first, header padded with spaces so the data starts at 64 bytes); the metadata
+    names the SHA-256 of the data section (one pass over the tensors)."""
+    tensors = sorted(state.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
+    header: dict[str, Any] = {}
+    offsets, at = [], 0
+    sha = hashlib.sha256()
+    for name, tensor in tensors:
+        code = SAFETENSORS_CODES.get(tensor.dtype)
+        if code is None:
+            raise ValueError(f"weights: tensor {name} has dtype {tensor.dtype}, which safetensors cannot hold")
+        end = at + tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": code, "shape": list(tensor.shape), "data_offsets": [at, end]}
+        offsets.append(at)
+        sha.update(tensor_bytes(tensor))
+        at = end
+    header["__metadata__"] = {"format": "pt", "sha256": sha.hexdigest()}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 64)
+    base = 8 + len(text)
+    head = len(text).to_bytes(8, "little") + text
+    return head, [(base + off, t.detach()) for off, (_, t) in zip(offsets, tensors, strict=True)]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of `tensor` in row-major order (copied first only if it is not a contiguous CPU tensor)."""
+    flat = tensor.to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def write_at(fd: int, offset: int, data: memoryview) -> None:
+    """Write all of `data` at `offset` (a plain write: on tmpfs about twice as fast as faulting in a mapping)."""
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done : done + (1 << 26)], offset + done)
+
+
+def write_file(path: Path, state: StateDict) -> int:
+    """Write `state` laid out by `layout` to a temp file next to `path` (mode 0600), then rename it into place;
+    returns the size. A temp file is removed on an error; one left by a SIGKILL is removed by `prune`."""
+    header, slots = layout(state)
+    size = len(header) + sum(t.numel() * t.element_size() for _, t in slots)
+    tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        write_at(fd, 0, memoryview(header))
+        for offset, tensor in slots:
+            write_at(fd, offset, tensor_bytes(tensor))
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+    tmp.rename(path)  # readers see a whole file or none
+    return size
+
+
+def prune(folder: Path, newest: int, keep: int) -> None:
+    """After publishing `newest`: remove every version between v0 and the newest `keep` (v0 stays: the reference
+    role and restarts from scratch read it), and temp files no live publisher will finish: those of a version
+    up to `newest` (a publisher that still writes one is dead or fenced) and those of a dead process here."""
+    host = socket.gethostname()
+    for entry in folder.iterdir():
+        done, temp = DONE.fullmatch(entry.name), TEMP.fullmatch(entry.name)
+        old = done is not None and 0 < int(done[1]) <= newest - keep
+        orphan = temp is not None and (int(temp[1]) <= newest or (temp[2] == host and not pid_alive(int(temp[3]))))
+        if old or orphan:
+            entry.unlink(missing_ok=True)
+
+
+def kept_versions(folder: Path) -> list[int]:
+    return sorted(int(m[1]) for p in folder.iterdir() if (m := DONE.fullmatch(p.name)))
+
+
+class FilesystemTransport:
+    """Weights as `<root>/<run>/v<version>.safetensors` on a filesystem every worker mounts
+    (`weights: {type: filesystem, root: DIR}`); keeps v0 and the newest `keep`. With `verify` (the default:
+    shared storage can serve a truncated or damaged file) a fetch checks the data's SHA-256."""
+
+    def __init__(self, run: str, keep: int, root: Path, verify: bool = True) -> None:
+        self.run = run
+        self.keep = keep
+        self.verify = verify
+        self.dir = root / run
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    async def publish(self, version: int, state: StateDict, step: int) -> WeightsAnnouncement:
+        path = self.dir / f"v{version}.safetensors"
+        size = await asyncio.to_thread(write_file, path, state)  # seconds for a real model: not on the event loop
+        prune(self.dir, version, self.keep)
+        return WeightsAnnouncement(
+            run=self.run, version=version, transport="filesystem", location=str(path), size=size, step=step
+        )
+
+    async def fetch(self, version: int) -> StateDict:
+        path = self.dir / f"v{version}.safetensors"
+        try:
+            data = await asyncio.to_thread(read_whole, path)
+        except FileNotFoundError:
+            raise BlobNotFound(
+                f"filesystem weights v{version} of run {self.run}: no file {path} (kept: {kept_versions(self.dir)}; "
+                f"is {self.dir} shared by every process of the run?)"
+            ) from None
+        if self.verify:
+            await asyncio.to_thread(check_digest, data, f"filesystem weights {path}")
+        return from_buffer(data)
+
+
+def read_whole(path: Path) -> bytearray:
+    """A file's bytes in one writable buffer (tensors become views into it)."""
+    with open(path, "rb") as f:
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        f.readinto(data)
+    return data
+
+
+class SharedMemoryTransport:
+    """Weights as `<root>/relax-<uid>/<run>/v<version>.safetensors` in shared memory (tmpfs) for a trainer
+    and engines on one host (`weights: {type: shm}`); keeps v0 and the newest `keep`.
+
+    Publish writes every tensor once, straight into a temp segment (`write_file`), then renames it into
+    place: a reader sees a whole segment or none, and the announcement follows the rename. Fetch maps the
+    segment copy-on-write and returns tensors that are views into it, so the engine's in-place load is the
+    only copy; a write into a view stays private to that process, and a pruned segment stays readable by
+    whoever still maps it (its memory is freed when the last view goes). `verify` (off by default: the
+    segment never leaves this host's memory and this uid) checks the data's SHA-256 on every fetch, a pass
+    over the segment.
+
+    Lifetime: only the publisher unlinks. Each publish prunes every version between v0 and the newest
+    `keep` and the temp segments no live publisher will finish (`prune`), so after a crash the segments
+    stay until the next publish; `remove_run` deletes a finished run's folder.
+    Safety: the folder is created 0700 and checked to be this uid's own, each segment is created 0600.
+    """
+
+    def __init__(self, run: str, keep: int, root: Path = Path("/dev/shm"), verify: bool = False) -> None:
+        self.run = run
+        self.keep = keep
+        self.verify = verify
+        self.dir = root / f"relax-{os.getuid()}" / run
+
+    async def publish(self, version: int, state: StateDict, step: int) -> WeightsAnnouncement:
+        path = self.dir / f"v{version}.safetensors"
+        for folder in (self.dir.parent, self.dir):
+            private_dir(folder)
+        size = await asyncio.to_thread(write_file, path, state)
+        prune(self.dir, version, self.keep)
+        return WeightsAnnouncement(
+            run=self.run, version=version, transport="shm", location=str(path), size=size, step=step
+        )
+
+    async def fetch(self, version: int) -> StateDict:
+        path = self.dir / f"v{version}.safetensors"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise BlobNotFound(self._missing(version)) from None
+        try:
+            for folder in (self.dir.parent, self.dir):
+                check_private(folder)
+            mapped = mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_COPY)
+        finally:
+            os.close(fd)  # the mapping keeps the segment alive
+        if self.verify:
+            await asyncio.to_thread(check_digest, mapped, f"shm weights {path}")
+        return from_buffer(mapped)
+
+    def remove_run(self) -> None:
+        """Delete every segment of the run (when it is over; a fetch afterwards raises BlobNotFound)."""
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _missing(self, version: int) -> str:
+        if not self.dir.is_dir():
+            return (
+                f"shm weights: no segments of run {self.run} in {self.dir} on this host (the shm transport "
+                "needs the trainer and every engine on one host; use object_store or filesystem across hosts)"
+            )
+        return f"shm weights v{version} of run {self.run} are gone from {self.dir} (kept: {kept_versions(self.dir)})"
+
+
+def private_dir(path: Path) -> None:
+    """Create `path` with mode 0700 if missing; refuse one that is not this uid's own or others may write."""
+    path.mkdir(mode=0o700, exist_ok=True)
+    check_private(path)
+
+
+def check_private(path: Path) -> None:
+    """Refuse a folder another uid owns or may write (it could plant or swap segments)."""
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise PermissionError(
+            f"shm weights: {path} must be a directory owned by uid {os.getuid()} that only it can write"
+        )
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists (a temp segment of a dead one is garbage)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another uid
+        return True
+    return True
