@@ -296,6 +296,19 @@ def spreads(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def previous_figures(out: Path) -> dict[str, Any] | None:
+    """The final rewards of the results file this invocation replaces, kept next to the new ones."""
+    if not out.exists():
+        return None
+    old = json.loads(out.read_text())
+    keys = ("mode", "correction", "repeat", "default", "reward_final", "reward_eval", "lag_histogram")
+    return {
+        "when": old.get("when"),
+        "command": old.get("command"),
+        "rows": [{k: r[k] for k in keys if k in r} for r in old.get("rows", [])],
+    }
+
+
 def lag_text(histogram: dict[str, int]) -> str:
     """`lag:groups` pairs, or mean and max when there are many lags (the whole histogram is in the JSON)."""
     if len(histogram) <= 4:
@@ -325,7 +338,9 @@ def main() -> None:
     args.modes = [m.strip() for m in args.modes.split(",")]
     args.corrections = [c.strip() for c in args.corrections.split(",")]
     log.configure("warning")
+    previous = previous_figures(Path(args.out))
     result = asyncio.run(bench(args))
+    result["previous"] = previous
 
     rows, b = result["rows"], result["bound"]
     header = (
