@@ -3,14 +3,16 @@
     python benchmarks/weights_sync.py [--sizes 10,100,500] [--repeat 3] [--out FILE]
 
 For each size (decimal MB of float32 tensors, shaped like a model: one embedding-sized tensor and
-layers of a few large matrices) four transports move the same state dict, in one run:
+layers of a few large matrices) the transports move the same state dict, in one run:
 - object store: `workers.weights.ObjectStoreTransport` on an embedded nats-server with file storage
   (the run's `weights` store, provisioned as `relax init` does). Publish = safetensors serialisation
   + pipelined chunk put + info record; fetch = chunked get + digest check + deserialisation.
 - file: `workers.weights.FilesystemTransport` on the local disk (write + rename; read back while the
-  file is still in the page cache, the best case of a shared filesystem).
+  file is still in the page cache, the best case of a shared filesystem), checking the sha256 of the data
+  as the transport does by default; `file unverified` the same with `verify: false`.
 - shm: `workers.weights.SharedMemoryTransport` in /dev/shm (publish = one copy of every tensor into a
-  mapped segment + rename; fetch = map it, tensors as views: the load's copy is the only read).
+  mapped segment + rename; fetch = map it, tensors as views: the load's copy is the only read);
+  `shm verified` the same with `verify: true` (a sha256 pass over the segment on each fetch).
 - memory: serialisation to bytes and deserialisation from them, nothing moved (the floor of any
   transport that uses safetensors).
 Every fetch is followed by the same load: `copy_` of every tensor into preallocated parameters (what
@@ -130,10 +132,13 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
             await provision(nc.jetstream(), config)
             bus = await Bus.attach(nc, config.run, PipelineConfig)
             shm = SharedMemoryTransport(f"bench-{config.run}", keep=1)
+            shm_verify = SharedMemoryTransport(f"bench-{config.run}-verify", keep=1, verify=True)
             transports = {
                 "object store": ObjectStoreTransport(bus),
                 "file": FilesystemTransport(config.run, 1, work / "fs"),
+                "file unverified": FilesystemTransport(f"{config.run}-unverified", 1, work / "fs", verify=False),
                 "shm": shm,
+                "shm verified": shm_verify,
                 "memory": MemoryTransport(),
             }
             version = 0
@@ -146,7 +151,7 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
                     for name, transport in transports.items():
                         version += 1
                         result = await timed(transport, version, state, params)
-                        if name == "file":  # keep the disk clean between rounds
+                        if name.startswith("file"):  # keep the disk clean between rounds
                             for old in (work / "fs").glob("*/*.safetensors"):
                                 if old.name != f"v{version}.safetensors":
                                     old.unlink()
@@ -159,6 +164,7 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
             await bus.weights.delete(f"v{version}")
         finally:
             shm.remove_run()
+            shm_verify.remove_run()
             await nc.close()
     return rows
 
