@@ -20,7 +20,7 @@ shared machine disturbs less), and with 2 threads per phase the bound disjoint d
 Per run: wall time of steps 1..N, steps/hour, time from step 1 until the 5-step moving average of the
 reward reaches --threshold, final reward (mean of the last --last steps), lag histogram, dropped and
 requeued groups, trainer idle (data wait / step time, from the actor's Metric), rollout idle
-(1 - generation seconds of the groups trained in steps 2..N / wall time of steps 2..N), and the
+(1 - generation seconds of the groups trained in steps 2..N / (wall time of steps 2..N x rollout workers)), and the
 trainer's own bus time (decode and judge, acks, weight publish) per step. Rates exclude step 1 (start-up).
 Prints a table, writes JSON and a PNG of reward against wall time for every run.
 """
@@ -53,7 +53,13 @@ from workers.weights import make_transport
 
 
 def mode_config(
-    base: PipelineConfig, mode: str, warm: Path, steps: int, correction: str | None = None, seed: int = 0
+    base: PipelineConfig,
+    mode: str,
+    warm: Path,
+    steps: int,
+    correction: str | None = None,
+    seed: int = 0,
+    rollouts: int | None = None,
 ) -> PipelineConfig:
     """The demo at one max_staleness (and off-policy correction: the config's default when None); `seed` is the
     rollout's sampling seed (a repeat of the same run draws other samples)."""
@@ -61,6 +67,8 @@ def mode_config(
     data["run"] = f"modes-s{mode}" + (f"-{correction}" if correction else "") + (f"-r{seed}" if seed else "")
     data["staleness"]["max_staleness"] = mode
     data["rollout"]["seed"] = seed
+    if rollouts:
+        data["roles"]["rollout"] = rollouts
     if correction:
         data["trainer"]["correction"] = {"type": correction}
     data["model"]["source"] = str(warm)
@@ -146,6 +154,7 @@ def summarise_bus(name: str, run: dict[str, Any], args: argparse.Namespace) -> d
     trained_later = [gid for step, ids in run["steps"].items() if step >= 2 for gid in ids]
     calls = {(by_id[g].scored.rollout.worker_id, by_id[g].scored.rollout.timings.generate_s) for g in trained_later}
     generate_s = sum(seconds for _, seconds in calls)
+    workers = max(1, len({worker for worker, _ in calls}))
     last = rows[-1]
     out.update(
         startup_s=rows[0]["at"] - run["started"],
@@ -154,7 +163,7 @@ def summarise_bus(name: str, run: dict[str, Any], args: argparse.Namespace) -> d
         requeued=int(last["requeued"]),
         trainer_idle=sum(m["data_wait_s"] for m in later) / step_s,
         data_wait_s=statistics.fmean(m["data_wait_s"] for m in later),
-        rollout_idle=1 - generate_s / out["wall_s"],
+        rollout_idle=1 - generate_s / (out["wall_s"] * workers),
         train_s=statistics.fmean(m["train_s"] for m in later),
         generate_per_step_s=generate_s / max(1, len(later)),
         trainer_bus_frac=sum(m["admit_s"] + m["ack_s"] + m["weight_sync_s"] for m in later) / step_s,
@@ -207,7 +216,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     for repeat in range(args.repeats):
         for mode in args.modes:
             for correction in args.corrections:
-                run_config = mode_config(base, mode, warm, args.steps, correction, repeat)
+                run_config = mode_config(base, mode, warm, args.steps, correction, repeat, args.rollouts)
                 run = await run_mode(run_config, work / f"s{mode}-{correction}-r{repeat}")
                 row = summarise_bus(label(mode), run, args)
                 row.update(
@@ -324,6 +333,13 @@ def main() -> None:
     p.add_argument("--long", action="store_true", help="250 steps per run, as in the demo")
     p.add_argument("--modes", default="0,1,2,unbounded", help="max_staleness values (default 0,1,2,unbounded)")
     p.add_argument("--corrections", default="tis", help="off-policy corrections, each run in every mode (default tis)")
+    p.add_argument(
+        "--rollouts",
+        type=int,
+        default=None,
+        help="rollout workers per run (default: the demo's, 1); more workers "
+        "make generation outrun training further, so unbounded runs reach larger lags",
+    )
     p.add_argument("--repeats", type=int, default=1, help="runs of each mode and correction, rollout seeds 0.. (1)")
     p.add_argument("--eval-samples", type=int, default=16, help="samples per task item for the final weights (16)")
     p.add_argument("--threshold", type=float, default=0.6, help="reward for time-to-threshold (default 0.6)")
