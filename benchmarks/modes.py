@@ -1,7 +1,8 @@
 """Staleness modes on the demo task: max_staleness 0, 1, 2 and unbounded next to a colocated baseline.
 
-    python benchmarks/modes.py [--steps 120] [--modes 0,1,2,unbounded] [--threshold 0.6] [--last 10]
-                               [--long] [--work-dir runs/bench-modes] [--out FILE]
+    python benchmarks/modes.py [--steps 120] [--modes 0,1,2,unbounded] [--corrections icepop,tis]
+                               [--repeats 2] [--rollouts N] [--eval-samples 16] [--threshold 0.6]
+                               [--last 10] [--long] [--work-dir runs/bench-modes] [--out FILE]
 
 Same task (examples/demo.yaml: single-digit addition, 32 groups x 8 samples per step), same model
 and seed, same step budget. The demo's supervised warm-up runs once, in this process, and every run
@@ -9,7 +10,8 @@ starts from the weights it leaves (so no run spends time on it). Then, one after
 - colocated synchronous baseline: generate, score, train and copy the weights into the engine, in one
   process with the machine's 2 threads, no bus (TorchEngine + PolicyTrainer + the reward scorer);
 - phase times with 1 thread each, in this process (what a rollout worker and the actor get in a run);
-- one run per max_staleness with the real launcher (`relax run`'s `launch`: an embedded nats-server,
+- one run per max_staleness, off-policy correction and rollout seed (`--repeats`) with the real launcher
+  (`relax run`'s `launch`: an embedded nats-server,
   every role a `relax worker` process with one thread);
 - the colocated baseline once more; the faster of its two runs counts (two threads on two cores
   stall whenever another process takes a core, so it is the run a shared machine disturbs most).
@@ -18,10 +20,15 @@ run's mean step over the mean generation (per step) and training time of the rol
 actor in the runs. Medians of the in-process phase times give a second reading (one that load on a
 shared machine disturbs less), and with 2 threads per phase the bound disjoint devices would have.
 Per run: wall time of steps 1..N, steps/hour, time from step 1 until the 5-step moving average of the
-reward reaches --threshold, final reward (mean of the last --last steps), lag histogram, dropped and
+reward reaches --threshold, the reward of the groups trained in the last --last steps (samples of old
+weights when lags are large), the reward of the weights the run ends with (`colocated.evaluate`: every
+task item x --eval-samples, the same seeds for every run), lag histogram, dropped and
 requeued groups, trainer idle (data wait / step time, from the actor's Metric), rollout idle
 (1 - generation seconds of the groups trained in steps 2..N / (wall time of steps 2..N x rollout workers)), and the
 trainer's own bus time (decode and judge, acks, weight publish) per step. Rates exclude step 1 (start-up).
+Per correction: each mode's final-weights reward averaged over the seeds and its largest distance from
+max_staleness 0's (`spread`); rows run with the config's default correction carry `"default": true`, and
+the JSON keeps the rewards of the file it replaces (`previous`).
 Prints a table, writes JSON and a PNG of reward against wall time for every run.
 """
 
