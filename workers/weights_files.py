@@ -164,6 +164,16 @@ def prune(folder: Path, newest: int, keep: int) -> None:
             entry.unlink(missing_ok=True)
 
 
+async def publish_file(
+    folder: Path, run: str, keep: int, transport: str, version: int, state: StateDict, step: int
+) -> WeightsAnnouncement:
+    """Write `folder/v<version>.safetensors` (in a thread: seconds for a real model), prune, announce."""
+    path = folder / f"v{version}.safetensors"
+    size = await asyncio.to_thread(write_file, path, state)
+    prune(folder, version, keep)
+    return WeightsAnnouncement(run=run, version=version, transport=transport, location=str(path), size=size, step=step)
+
+
 def kept_versions(folder: Path) -> list[int]:
     return sorted(int(m[1]) for p in folder.iterdir() if (m := DONE.fullmatch(p.name)))
 
@@ -181,12 +191,7 @@ class FilesystemTransport:
         self.dir.mkdir(parents=True, exist_ok=True)
 
     async def publish(self, version: int, state: StateDict, step: int) -> WeightsAnnouncement:
-        path = self.dir / f"v{version}.safetensors"
-        size = await asyncio.to_thread(write_file, path, state)  # seconds for a real model: not on the event loop
-        prune(self.dir, version, self.keep)
-        return WeightsAnnouncement(
-            run=self.run, version=version, transport="filesystem", location=str(path), size=size, step=step
-        )
+        return await publish_file(self.dir, self.run, self.keep, "filesystem", version, state, step)
 
     async def fetch(self, version: int) -> StateDict:
         path = self.dir / f"v{version}.safetensors"
@@ -235,14 +240,9 @@ class SharedMemoryTransport:
         self.dir = root / f"relax-{os.getuid()}" / run
 
     async def publish(self, version: int, state: StateDict, step: int) -> WeightsAnnouncement:
-        path = self.dir / f"v{version}.safetensors"
         for folder in (self.dir.parent, self.dir):
             private_dir(folder)
-        size = await asyncio.to_thread(write_file, path, state)
-        prune(self.dir, version, self.keep)
-        return WeightsAnnouncement(
-            run=self.run, version=version, transport="shm", location=str(path), size=size, step=step
-        )
+        return await publish_file(self.dir, self.run, self.keep, "shm", version, state, step)
 
     async def fetch(self, version: int) -> StateDict:
         path = self.dir / f"v{version}.safetensors"
