@@ -28,7 +28,7 @@ from pipeline import write_results
 from workers.config import PipelineConfig, load_config
 
 ROWS: dict[str, dict[str, Any]] = {
-    "grpo + ppo + tis (default)": {},
+    "grpo + ppo + icepop (default)": {},
     "drgrpo": {"advantage": "drgrpo"},
     "rloo": {"advantage": "rloo"},
     "reinforce_pp": {"advantage": "reinforce_pp"},
@@ -44,7 +44,7 @@ ROWS: dict[str, dict[str, Any]] = {
         "aggregation": "sequence",
     },
     "cispo 4 updates": {"mini_batches": 4, "loss": "cispo"},
-    "icepop": {"correction": "icepop"},
+    "tis": {"correction": "tis"},
     "seq_is": {"correction": "seq_is"},
     "no correction": {"correction": "none"},
 }

@@ -107,11 +107,15 @@ def trainer_config(**options):
     return parse_config({"run": "r", "trainer": options}).trainer
 
 
-def test_defaults_are_ppo_with_tis_from_the_top_level_bounds():
+def test_defaults_are_ppo_with_icepop_and_the_top_level_tis_bounds_select_tis():
     cfg = trainer_config()
-    assert (cfg.loss.type, cfg.correction.type) == ("ppo", "tis")
-    assert cfg.correction_options() == {"low": 0.0, "high": 2.0}
-    assert trainer_config(tis_low=0.1, tis_high=3.0).correction_options() == {"low": 0.1, "high": 3.0}
+    assert (cfg.loss.type, cfg.correction.type) == ("ppo", "icepop")
+    assert cfg.correction_options() == {"low": 0.5, "high": 5.0}
+    assert trainer_config(correction="tis").correction_options() == {"low": 0.0, "high": 2.0}
+    with_bounds = trainer_config(tis_low=0.1, tis_high=3.0)  # the tis correction's bounds, no correction named
+    assert with_bounds.correction.type == "tis"
+    assert with_bounds.correction_options() == {"low": 0.1, "high": 3.0}
+    assert trainer_config(tis_high=3.0).correction_options() == {"low": 0.0, "high": 3.0}
     assert trainer_config(correction={"type": "tis", "high": 4.0}).correction_options() == {"low": 0.0, "high": 4.0}
     assert trainer_config(correction="icepop").correction_options() == {"low": 0.5, "high": 5.0}
     assert trainer_config(loss={"type": "dual_clip", "c": 2.5}).loss.options() == {"c": 2.5}

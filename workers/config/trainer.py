@@ -247,9 +247,10 @@ class TrainerConfig(Section):
     loss: LossConfig = Field(default_factory=PpoLoss)
     """Policy loss: `ppo`, `dual_clip` (`{type: dual_clip, c: 3.0}`), `gspo` or `cispo`; all clip with
     `clip_low` / `clip_high`."""
-    correction: CorrectionConfig = Field(default_factory=TisCorrection)
-    """Off-policy correction against the rollout engine's log-probs: `tis` (bounds `tis_low` / `tis_high`),
-    `icepop`, `seq_is` (each `{type: ..., low: ..., high: ...}`) or `none`."""
+    correction: CorrectionConfig = Field(default_factory=lambda: IcepopCorrection(type="icepop"))
+    """Off-policy correction against the rollout engine's log-probs: `icepop` (the default; docs/algorithms.md says
+    why), `tis` (bounds `tis_low` / `tis_high`; a config that sets those and no correction gets `tis`), `seq_is`
+    (each `{type: ..., low: ..., high: ...}`) or `none`."""
     overlong: OverlongConfig | None = None
     """DAPO's overlong reward shaping (`{max_tokens: ..., window: ..., penalty: ...}`); null: off."""
     clip_low: float = Field(default=0.2, ge=0, lt=1)
@@ -294,6 +295,15 @@ class TrainerConfig(Section):
         if self.tis_low >= self.tis_high:
             raise ValueError(f"tis_low ({self.tis_low}) must be below tis_high ({self.tis_high})")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tis_bounds_name_tis(cls, data: Any) -> Any:
+        # tis_low / tis_high are the `tis` correction's bounds: a config that sets them and names no correction
+        # meant that correction (it was the default before icepop).
+        if isinstance(data, dict) and "correction" not in data and ({"tis_low", "tis_high"} & data.keys()):
+            data = {**data, "correction": {"type": "tis"}}
+        return data
 
     @model_validator(mode="after")
     def _one_source_of_tis_bounds(self) -> TrainerConfig:
