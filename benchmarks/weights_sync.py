@@ -15,10 +15,15 @@ layers of a few large matrices) the transports move the same state dict, in one 
   `shm verified` the same with `verify: true` (a sha256 pass over the segment on each fetch).
 - memory: serialisation to bytes and deserialisation from them, nothing moved (the floor of any
   transport that uses safetensors).
+- broadcast xN (`--receivers`, default 1,2,4): `workers.weights_broadcast.BroadcastTransport` with N readers
+  that joined (threads of this process, gloo over the loopback; on 2 cores they share them). Publish = the
+  round (every reader receives every bucket) and the object store's copy, side by side; `round` = the
+  round alone; fetch = each reader's fetch (the version it received: no transfer left), the slowest counted.
 Every fetch is followed by the same load: `copy_` of every tensor into preallocated parameters (what
 `TorchEngine.load_state_dict` does). A plain `shutil.copyfile` of the safetensors file is timed too,
 and a snapshot (`clone` of every tensor): what the trainer would wait for if a publish were streamed
 off its critical path (snapshot, then serialise and store in the background), the floor of any publish.
+With CUDA, a GPU trainer's snapshot is timed too: the state copied from the GPU into pinned host buffers.
 Each case runs --repeat times alternating transports; the best is kept. Prints a table, writes JSON.
 """
 
@@ -46,8 +51,15 @@ from relax_bus.connection import connect
 from relax_bus.provision import provision
 from relax_bus.server import EmbeddedServer
 from relax_bus.settings import ConnectionSettings
-from workers.config import PipelineConfig, parse_config
-from workers.weights import FilesystemTransport, ObjectStoreTransport, SharedMemoryTransport, StateDict, to_bytes
+from workers.config import BroadcastWeights, PipelineConfig, parse_config
+from workers.weights import (
+    BroadcastTransport,
+    FilesystemTransport,
+    ObjectStoreTransport,
+    SharedMemoryTransport,
+    StateDict,
+    to_bytes,
+)
 
 MB = 1_000_000
 
@@ -98,6 +110,43 @@ async def timed(transport: Any, version: int, state: StateDict, params: StateDic
     return {"publish_s": published - started, "fetch_s": fetched - published, "load_s": loaded - fetched}
 
 
+class BroadcastCase:
+    """A broadcast publisher and `n` readers that joined (each fetched a version after v0, then beat), in a run of
+    their own (a run has one publisher: its rendezvous address is one KV key)."""
+
+    def __init__(self, bus: Bus, n: int) -> None:
+        cfg = BroadcastWeights(type="broadcast", timeout_s=60)
+        self.publisher = BroadcastTransport(bus, cfg)
+        self.readers = [BroadcastTransport(bus, cfg) for _ in range(n)]
+
+    async def join(self, version: int) -> None:
+        small = {"w": torch.zeros(4)}
+        await self.publisher.publish(version, small, version)
+        for reader in self.readers:
+            await reader.fetch(version)  # from the store; starts the reader's receiver
+        sender = self.publisher.sender
+        assert sender is not None
+        for _ in range(1200):  # a minute
+            if len(sender.live_members()) == len(self.readers):
+                return
+            await asyncio.sleep(0.05)
+        raise RuntimeError(f"{len(sender.live_members())} of {len(self.readers)} broadcast readers joined")
+
+    async def publish(self, version: int, state: StateDict, step: int) -> None:
+        await self.publisher.publish(version, state, step)
+
+    async def fetch(self, version: int) -> StateDict:
+        before = [r.received for r in self.readers]
+        states = [await r.fetch(version) for r in self.readers]
+        assert [r.received for r in self.readers] == [b + 1 for b in before], "a reader missed the broadcast"
+        return states[-1]
+
+    def close(self) -> None:
+        for reader in self.readers:
+            reader.close()
+        self.publisher.close()
+
+
 def file_copy_seconds(state: StateDict, work: Path) -> float:
     """Best of 3 `shutil.copyfile` of the state's safetensors file (page cache warm)."""
     src, dst = work / "copy-src.safetensors", work / "copy-dst.safetensors"
@@ -123,17 +172,38 @@ def snapshot_seconds(state: StateDict) -> float:
     return best
 
 
+def gpu_snapshot_seconds(state: StateDict) -> float | None:
+    """Best of 3 copies of the state from the GPU into pinned host buffers allocated once (a GPU trainer's
+    snapshot before a publish off its critical path); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    on_gpu = {k: v.to("cuda") for k, v in state.items()}
+    pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in state.items()}
+    best = float("inf")
+    for _ in range(3):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for k, v in on_gpu.items():
+            pinned[k].copy_(v, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - started)
+    del on_gpu, pinned
+    torch.cuda.empty_cache()
+    return best
+
+
 async def bench(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     rows = []
     with EmbeddedServer(store_dir=work / "nats") as server:
         nc = await connect(ConnectionSettings(nats_url=[server.url]), name="weights-bench")
+        transports: dict[str, Any] = {}
         try:
             config = parse_config({"run": f"w{uuid.uuid4().hex[:6]}", "bus": {"weights_keep": 1}})
             await provision(nc.jetstream(), config)
             bus = await Bus.attach(nc, config.run, PipelineConfig)
             shm = SharedMemoryTransport(f"bench-{config.run}", keep=1)
             shm_verify = SharedMemoryTransport(f"bench-{config.run}-verify", keep=1, verify=True)
-            transports = {
+            transports |= {
                 "object store": ObjectStoreTransport(bus),
                 "file": FilesystemTransport(config.run, 1, work / "fs"),
                 "file unverified": FilesystemTransport(f"{config.run}-unverified", 1, work / "fs", verify=False),
@@ -142,6 +212,13 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
                 "memory": MemoryTransport(),
             }
             version = 0
+            for n in args.receivers:
+                own = parse_config({"run": f"{config.run}-b{n}", "bus": {"weights_keep": 1}})
+                await provision(nc.jetstream(), own)
+                case = BroadcastCase(await Bus.attach(nc, own.run, PipelineConfig), n)
+                version += 1
+                await case.join(version)
+                transports[f"broadcast x{n}"] = case
             for size in args.sizes:
                 state = make_state(size)
                 params = {k: torch.empty_like(v) for k, v in state.items()}
@@ -151,6 +228,9 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
                     for name, transport in transports.items():
                         version += 1
                         result = await timed(transport, version, state, params)
+                        if isinstance(transport, BroadcastCase):
+                            assert transport.publisher.sender is not None
+                            result["round_s"] = transport.publisher.sender.round_s or float("nan")
                         if name.startswith("file"):  # keep the disk clean between rounds
                             for old in (work / "fs").glob("*/*.safetensors"):
                                 if old.name != f"v{version}.safetensors":
@@ -160,11 +240,16 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
                             best[name] = result
                 copy_s = file_copy_seconds(state, work)
                 rows.append(row(size, nbytes, best, copy_s, snapshot_seconds(state)))
+                if (gpu_s := gpu_snapshot_seconds(state)) is not None:
+                    rows[-1]["gpu_snapshot_mb_per_s"] = nbytes / MB / gpu_s
                 del state, params
             await bus.weights.delete(f"v{version}")
         finally:
-            shm.remove_run()
-            shm_verify.remove_run()
+            for case in transports.values():
+                if isinstance(case, BroadcastCase):
+                    case.close()
+                elif isinstance(case, SharedMemoryTransport):
+                    case.remove_run()
             await nc.close()
     return rows
 
@@ -184,6 +269,7 @@ def row(size: int, nbytes: int, best: dict[str, dict[str, float]], copy_s: float
             "publish_mb_per_s": mb / r["publish_s"],
             "fetch_mb_per_s": mb / r["fetch_s"],
             "fetch_load_mb_per_s": mb / (r["fetch_s"] + r["load_s"]),
+            **({"round_mb_per_s": mb / r["round_s"]} if "round_s" in r else {}),
         }
     memory = out["transports"]["memory"]
     for t in out["transports"].values():
@@ -198,10 +284,12 @@ def row(size: int, nbytes: int, best: dict[str, dict[str, float]], copy_s: float
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="10,100,500", help="state dict sizes in MB (default 10,100,500)")
+    p.add_argument("--receivers", default="1,2,4", help="readers of each broadcast case (default 1,2,4)")
     p.add_argument("--repeat", type=int, default=3, help="rounds per size; the best is kept (default 3)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "weights_sync.json"))
     args = p.parse_args()
     args.sizes = [int(s) for s in args.sizes.split(",")]
+    args.receivers = [int(n) for n in args.receivers.split(",") if n]
     log.configure("warning")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="weights-bench-") as work:
@@ -221,12 +309,17 @@ def main() -> None:
                 f"{t['fetch_load_mb_per_s']:15.0f} {t['fetch_s'] + t['load_s']:12.3f} "
                 f"{t['fetch_load_mb_per_s'] / file_rate:7.2f}x {t['fetch_load_vs_memory']:8.2f}x"
             )
+            if "round_mb_per_s" in t:
+                print(f"{'':6} {'  its round':12} {t['round_mb_per_s']:12.0f}")
         print(f"{'':6} {'cp (file)':12} {r['file_copy_mb_per_s']:12.0f}")
         print(f"{'':6} {'snapshot':12} {r['snapshot_mb_per_s']:12.0f}")
+        if "gpu_snapshot_mb_per_s" in r:
+            print(f"{'':6} {'GPU->pinned':12} {r['gpu_snapshot_mb_per_s']:12.0f}")
     print(
         f"MB = 10^6 bytes; best of {args.repeat}; publish = serialise + store; fetch = read back + deserialise; "
         "load = copy into preallocated parameters; vs file / vs memory = fetch+load rate / the file / memory "
-        "transport's; snapshot = clone of the state dict (a publish streamed off the trainer's critical path)"
+        "transport's; snapshot = clone of the state dict (a publish streamed off the trainer's critical path); "
+        "broadcast: publish = its round and the object store's copy side by side, its round = the round alone"
     )
     write_json(Path(args.out), rows)
 

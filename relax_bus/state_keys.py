@@ -7,6 +7,7 @@ groups.filtered      release indices the reward role filtered as uniform (a bitm
 trainer.step         optimizer steps done
 trainer.checkpoint   JSON record of the latest checkpoint
 trainer.done         set once the run's last step is trained
+weights.broadcast    where the trainer's broadcast rendezvous listens (`weights: {type: broadcast}`)
 """
 
 POLICY_VERSION = "policy.version"
@@ -16,3 +17,4 @@ GROUPS_FILTERED = "groups.filtered"
 TRAINER_STEP = "trainer.step"
 TRAINER_CHECKPOINT = "trainer.checkpoint"
 TRAINER_DONE = "trainer.done"
+WEIGHTS_BROADCAST = "weights.broadcast"

@@ -3,8 +3,9 @@
 The default transport keeps one safetensors object per version in the run's `weights` object store
 (read back with the bus's chunked reader), so nothing needs a shared filesystem. `filesystem` writes
 the same files under a directory every worker mounts, `shm` into shared memory on one host, laid out so
-that a fetch builds the tensors as views, without a copy (`workers.weights_files`). An NCCL broadcast
-for GPU clusters plugs in here the same way: one small class and one registry line.
+that a fetch builds the tensors as views, without a copy (`workers.weights_files`). `broadcast` pushes each
+version over a gloo group to the rollout engines that joined, beside the object store
+(`workers.weights_broadcast`). Another transport plugs in the same way: one small class and one registry line.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from relax_bus.bus import Bus
 from relax_bus.log import get_logger
 from relax_bus.outage import through_outage
 from schemas import WeightsAnnouncement
+from workers.weights_broadcast import BroadcastTransport
 from workers.weights_files import FilesystemTransport, SharedMemoryTransport, StateDict, from_buffer, to_bytes
 
 __all__ = [
     "TRANSPORTS",
+    "BroadcastTransport",
     "FilesystemTransport",
     "ObjectStoreTransport",
     "SharedMemoryTransport",
@@ -86,6 +89,7 @@ TRANSPORTS: dict[str, Callable[[Bus, Any], WeightTransport]] = {
         bus.run, bus.config.bus.weights_keep, Path(cfg.root), cfg.verify
     ),
     "shm": lambda bus, cfg: SharedMemoryTransport(bus.run, bus.config.bus.weights_keep, Path(cfg.dir), cfg.verify),
+    "broadcast": lambda bus, cfg: BroadcastTransport(bus, cfg),
 }
 """Weight transports by `weights.type` (`workers.config.WeightsConfig`)."""
 

@@ -233,7 +233,7 @@ def test_init_and_run_refuse_unknown_plug_ins_with_every_error(tmp_path):
         "rewards.0: unknown type 'bleu' (known: 'exact', 'numeric', 'format', 'math', 'python')",
         "rewards.1.numeric.options.tolerence: unknown setting",
         "rewards.2.format.options: Field required",
-        "weights: unknown type 'nfs' (known: 'object_store', 'filesystem', 'shm')",
+        "weights: unknown type 'nfs' (known: 'object_store', 'filesystem', 'shm', 'broadcast')",
     )
     for command in (["init", cfg, "--nats-url", "nats://127.0.0.1:1"], ["run", cfg], ["config", "show", cfg]):
         assert_one_line_error(relax(*command), *expected)

@@ -22,7 +22,7 @@ from workers.data.gguf_import import import_gguf, smollm2_gguf
 from workers.data.prompts import prompt_ids
 from workers.data.tasks import load_task
 from workers.launch.export import export
-from workers.weights import make_transport
+from workers.weights import ObjectStoreTransport, SharedMemoryTransport, make_transport
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 REQUIRE_VLLM = os.environ.get("CI", "").lower() == "true" or os.environ.get("RELAX_REQUIRE_VLLM") == "1"
@@ -46,7 +46,7 @@ def smollm2() -> Path:
     return import_gguf(smollm2_gguf(), SMOLLM2)
 
 
-def real_config(model_dir: Path, engine: str, weights_root: Path) -> dict:
+def real_config(model_dir: Path, engine: str, weights: dict) -> dict:
     return small_config(
         f"real{uuid.uuid4().hex[:8]}",
         groups_per_step=2,
@@ -70,17 +70,22 @@ def real_config(model_dir: Path, engine: str, weights_root: Path) -> dict:
             "micro_batch_tokens": 256,
             "warmup": {"max_steps": 0},
         },
-        weights={"type": "filesystem", "root": str(weights_root)},
+        weights=weights,
     )
 
 
-@pytest.mark.parametrize("engine", ["torch", "vllm"])
-async def test_smollm2_trains_on_chat_templated_word_problems_and_exports(nats_server, tmp_path, smollm2, engine):
+# The weights reach the torch engine by gloo broadcast and vLLM through shared memory (the other transports run
+# whole runs with the tiny model: tests/e2e/test_pipeline.py, test_shm_pipeline.py, test_broadcast_pipeline.py).
+@pytest.mark.parametrize(("engine", "weights"), [("torch", "broadcast"), ("vllm", "shm")])
+async def test_smollm2_trains_on_chat_templated_word_problems_and_exports(
+    nats_server, tmp_path, smollm2, engine, weights
+):
     if engine == "vllm" and importlib.util.find_spec("vllm") is None:  # `make test` installs it (make vllm)
         if REQUIRE_VLLM:
             pytest.fail("vllm is required here but not installed: run `make vllm`")
         pytest.skip("vllm is not installed (run `make vllm`)")
-    config = parse_config(real_config(smollm2, engine, tmp_path / "weights"))
+    config = parse_config(real_config(smollm2, engine, {"type": weights}))
+    segments = SharedMemoryTransport(config.run, config.bus.weights_keep)
     cluster = await Cluster.start(nats_server.url, config, tmp_path)
     try:
         await cluster.wait_done(timeout_s=480)
@@ -104,9 +109,12 @@ async def test_smollm2_trains_on_chat_templated_word_problems_and_exports(nats_s
         out = tmp_path / "exported"
         result = await export(cluster.bus, out, None, tmp_path / "export-work")
         assert result["step"] == config.trainer.steps
-        final = await make_transport(cluster.bus).fetch(config.trainer.steps)
+        # (a broadcast reader gets a version it was not sent from the object store: read it there directly)
+        reader = ObjectStoreTransport(cluster.bus) if weights == "broadcast" else make_transport(cluster.bus)
+        final = await reader.fetch(config.trainer.steps)
     finally:
         await cluster.stop()
+        segments.remove_run()
 
     def compare() -> None:
         exported = AutoModelForCausalLM.from_pretrained(out).eval()

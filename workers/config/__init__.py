@@ -62,13 +62,14 @@ from workers.config.trainer import (
     TrainerConfig,
     WarmupConfig,
 )
-from workers.config.weights import FilesystemWeights, ObjectStoreWeights, ShmWeights, WeightsConfig
+from workers.config.weights import BroadcastWeights, FilesystemWeights, ObjectStoreWeights, ShmWeights, WeightsConfig
 
 __all__ = [
     "AdditionOptions",
     "AdditionTask",
     "AdvantageConfig",
     "AnyReward",
+    "BroadcastWeights",
     "CorrectionConfig",
     "DrGrpoAdvantage",
     "EngineConfig",

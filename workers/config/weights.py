@@ -51,6 +51,29 @@ class ShmWeights(_Weights):
     fetch, about as long as the fetch itself (off by default: a segment never leaves this host's memory and uid)."""
 
 
+class BroadcastWeights(_Weights):
+    """Weights pushed by the trainer to every rollout engine over a torch.distributed gloo group, and put into the
+    object store too (readers that join late, miss a round or restart read them there; the reference role
+    always does). Rendezvous: the trainer's TCPStore, named in the run's state KV (`workers.weights_broadcast`).
+    No authentication on that port: only for a network where every host that reaches it is trusted."""
+
+    type: Literal["broadcast"]
+    host: str = Field(default="127.0.0.1", min_length=1)
+    """The trainer's address as readers reach it; its rendezvous store listens there. `127.0.0.1` keeps the
+    whole group on the loopback (one host); otherwise every process's gloo pairs use its own hostname."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """The rendezvous store's port (0: any free one, named in the KV)."""
+    bucket_mb: int = Field(default=64, ge=1)
+    """Tensors travel packed in buckets of about this size, one broadcast each (a larger tensor goes alone)."""
+    timeout_s: float = Field(default=30.0, gt=0)
+    """How long a round waits for a member (its group's rendezvous and each broadcast), and how long a reader may
+    go without a beat before rounds leave it out. A member that dies inside a round costs that round this long."""
+    verify: bool = False
+    """Send a SHA-256 per bucket and check it on receipt (a mismatch: that version comes from the object store)."""
+
+
 WeightsConfig = Annotated[
-    ObjectStoreWeights | FilesystemWeights | ShmWeights, Field(discriminator="type"), BeforeValidator(shorthand)
+    ObjectStoreWeights | FilesystemWeights | ShmWeights | BroadcastWeights,
+    Field(discriminator="type"),
+    BeforeValidator(shorthand),
 ]

@@ -31,6 +31,7 @@ from relax_bus.state_keys import (
     TRAINER_CHECKPOINT,
     TRAINER_DONE,
     TRAINER_STEP,
+    WEIGHTS_BROADCAST,
 )
 
 if TYPE_CHECKING:
@@ -137,7 +138,14 @@ ROLES: tuple[RoleDef, ...] = (
         input="train",
         output=lambda c: None,
         grants=dict(
-            state_keys=(POLICY_VERSION, GROUPS_DROPPED, TRAINER_STEP, TRAINER_CHECKPOINT, TRAINER_DONE),
+            state_keys=(
+                POLICY_VERSION,
+                GROUPS_DROPPED,
+                TRAINER_STEP,
+                TRAINER_CHECKPOINT,
+                TRAINER_DONE,
+                WEIGHTS_BROADCAST,
+            ),
             publishes=("prompts",),
             reads_weights=True,
             writes_weights=True,
