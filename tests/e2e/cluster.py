@@ -72,6 +72,19 @@ def kill_after_step(step: int, role: str, index: int = 0) -> Callable[[Cluster],
     return scenario
 
 
+async def replace_the_rollout_worker(cluster: Cluster, joiner: RoleProcess, after_step: int = 3) -> dict[str, Any]:
+    """SIGKILL the run's only rollout worker once `after_step` is recorded, start `joiner` in its place, and return
+    the newcomer's first `weights_loaded` event, checked to name the version current at the kill or a newer one."""
+    await cluster.wait_step(after_step)
+    cluster.kill("rollout")  # the run has no rollout worker until the new one joins
+    assert cluster.bus is not None
+    current, _ = await cluster.bus.version.get()
+    joiner.start()
+    loaded = await until(lambda: role_events(joiner, "weights_loaded"), bool, 120, "the new worker's first load")
+    assert loaded[0]["version"] >= max(current, 1), f"joined at v{current}, first loaded {loaded}"
+    return loaded[0]
+
+
 @dataclass
 class Cluster:
     """Every role of one run as a separate process."""

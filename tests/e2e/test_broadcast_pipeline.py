@@ -9,8 +9,7 @@ import uuid
 
 import pytest
 
-from tests.e2e.cluster import Cluster, role_events, small_config
-from tests.waiting import until
+from tests.e2e.cluster import Cluster, replace_the_rollout_worker, role_events, small_config
 from workers.config import parse_config
 from workers.launch.processes import RoleProcess
 
@@ -29,18 +28,12 @@ async def test_a_run_with_broadcast_weights_trains_every_group_once_and_a_joiner
     first = cluster.role("rollout")
     joiner = RoleProcess("rollout", 1, first.command, first.log_path.with_name("rollout-1.log"))
     try:
-        await cluster.wait_step(3)
-        cluster.kill("rollout")  # the run has no rollout worker until the new one joins
-        assert cluster.bus is not None
-        current, _ = await cluster.bus.version.get()
-        joiner.start()
-        loaded = await until(lambda: role_events(joiner, "weights_loaded"), bool, 120, "the new worker's first load")
-        assert loaded[0]["version"] >= max(current, 1), f"joined at v{current}, first loaded {loaded}"
+        loaded = await replace_the_rollout_worker(cluster, joiner)
         await cluster.wait_done()
         acc = await cluster.accounting()
         acc.check_exactly_once(config.trainer.steps, config.groups_per_step)
         received = [e["version"] for e in role_events(joiner, "weights_broadcast_received")]
-        assert received and min(received) > loaded[0]["version"], (received, loaded)
+        assert received and min(received) > loaded["version"], (received, loaded)
         new_id = role_events(joiner, "worker_started")[0]["worker"]
         versions = {g.policy_version for g in acc.train_groups if g.scored.rollout.worker_id == new_id}
         assert versions & set(received), (versions, received)  # it generated with weights it was broadcast

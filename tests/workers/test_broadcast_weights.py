@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 import workers.weights_broadcast as wb
 from tests.waiting import until
 from tests.workers.test_shm_weights import assert_exact, sample_state
+from tests.workers.test_weight_contract import reader_script
 from workers.weights import make_transport
 from workers.weights_broadcast import BroadcastTransport, pack, unpack
 
@@ -67,30 +67,6 @@ async def members(publisher: BroadcastTransport, n: int, timeout_s: float = 60) 
     await until(lambda: len(sender.live_members()), lambda got: got == n, timeout_s, f"{n} live members")
 
 
-def reader_script(url: str, run: str) -> str:
-    """A child reader: joins on its first fetch, then waits (its receiver thread takes part in every round)."""
-    return textwrap.dedent(
-        f"""
-        import asyncio, sys
-        sys.path.insert(0, {str(ROOT)!r})
-        from relax_bus.bus import Bus
-        from relax_bus.connection import connect
-        from relax_bus.settings import ConnectionSettings
-        from workers.config import PipelineConfig
-        from workers.weights import make_transport
-
-        async def main():
-            nc = await connect(ConnectionSettings(nats_url=[{url!r}]), name="reader")
-            transport = make_transport(await Bus.attach(nc, {run!r}, PipelineConfig))
-            await transport.fetch(1)
-            print("joined", flush=True)
-            await asyncio.Event().wait()
-
-        asyncio.run(main())
-        """
-    )
-
-
 async def test_readers_that_joined_get_every_version_by_broadcast_bit_for_bit(make_bus):
     bus, publisher = await make_run(make_bus)
     readers = [make_transport(bus) for _ in range(2)]
@@ -123,7 +99,7 @@ async def test_a_reader_killed_inside_a_round_costs_that_round_only(make_bus, na
     survivor = make_transport(bus)
     await join(publisher, survivor)
     child = subprocess.Popen(
-        [sys.executable, "-c", reader_script(nats_server.url, bus.run)],
+        [sys.executable, "-c", reader_script(nats_server.url, bus.run, 1, repeat=False)],  # joins on v1
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

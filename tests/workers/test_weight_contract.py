@@ -50,8 +50,14 @@ async def case(request, make_bus, tmp_path) -> AsyncIterator[tuple[str, Any, Wei
         transport.remove_run()
 
 
-def reader_script(settings_url: str, run: str, version: int) -> str:
-    """A child that attaches to the run and fetches `version` until killed, printing `fetching` before each."""
+def reader_script(settings_url: str, run: str, version: int, repeat: bool = True) -> str:
+    """A child that attaches to the run and fetches `version` until killed, printing `fetching` before each; with
+    `repeat` off, it fetches once, prints `fetched` and waits (a broadcast reader then takes part in every round)."""
+    fetches = (
+        f"while True:\n        print('fetching', flush=True)\n        await transport.fetch({version})"
+        if repeat
+        else f"await transport.fetch({version})\n    print('fetched', flush=True)\n    await asyncio.Event().wait()"
+    )
     return textwrap.dedent(
         f"""
         import asyncio, sys
@@ -61,16 +67,12 @@ def reader_script(settings_url: str, run: str, version: int) -> str:
         from relax_bus.settings import ConnectionSettings
         from workers.config import PipelineConfig
         from workers.weights import make_transport
-
-        async def main():
-            nc = await connect(ConnectionSettings(nats_url=[{settings_url!r}]), name="reader")
-            transport = make_transport(await Bus.attach(nc, {run!r}, PipelineConfig))
-            while True:
-                print("fetching", flush=True)
-                await transport.fetch({version})
-
-        asyncio.run(main())
         """
+    ) + (
+        "\nasync def main():\n"
+        f"    nc = await connect(ConnectionSettings(nats_url=[{settings_url!r}]), name='reader')\n"
+        f"    transport = make_transport(await Bus.attach(nc, {run!r}, PipelineConfig))\n"
+        f"    {fetches}\n\nasyncio.run(main())\n"
     )
 
 
