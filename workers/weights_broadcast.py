@@ -2,8 +2,9 @@
 the same version goes into the object store, which stays the source of truth (`weights: {type: broadcast}`).
 
 Who meets whom. The publisher (the trainer's rank 0) hosts a `TCPStore` and names its address in the run's state
-KV (`weights.broadcast`). A reader joins on its first fetch (which the object store serves): it connects to the
-store, takes a ticket, and from then on bumps a beat counter while it waits for rounds. Each publish is one round:
+KV (`weights.broadcast`). A reader joins on its first fetch of a version after v0 (which the object store serves):
+it connects to the store, takes a ticket, and from then on bumps a beat counter while it waits for rounds. Each
+publish is one round:
 
     members    tickets whose beat moved within `timeout_s` (a reader that stopped beating is left out)
     epoch      a new gloo group (rank 0 the publisher, ranks 1.. the members, in ticket order) when the
@@ -13,11 +14,11 @@ store, takes a ticket, and from then on bumps a beat counter while it waits for 
                one gloo broadcast each; a reader's tensors are views into the buckets it received
 
 A reader that joins, leaves or dies costs nobody a restart: the next round forms a new group without it or with
-it. A reader joins when it first fetches a version after v0, so the reference role (v0 only) and a trainer restarting
-before its first checkpoint never do, and a rollout worker that starts with the run joins at v1 (read from the
-store). What a member costs: one that dies inside a round makes that round fail for everyone after `timeout_s`,
-and every member then reads that version from the object store, as does a reader that joined after the round
-began or missed it; a new trainer (after a crash) opens a new store and readers follow the KV key to it.
+it. The reference role (v0 only) and a trainer restarting before its first checkpoint never join; a rollout worker
+that starts with the run joins at v1 (read from the store). What a member costs: one that dies inside a round
+makes that round fail for everyone after `timeout_s`, and every member then reads that version from the object
+store, as does a reader that joined after the round began or missed it; a new trainer (after a crash) opens a new
+store and readers follow the KV key to it.
 `fetch(v)` returns the broadcast copy when this reader received `v` (it waits for a round of `v` still in
 flight), and the object store's otherwise. The data plane carries no authentication: use it on a network where
 every host that can reach the store's port is trusted (docs/engines.md).

@@ -54,7 +54,7 @@ class ShmWeights(_Weights):
 class BroadcastWeights(_Weights):
     """Weights pushed by the trainer to every rollout engine over a torch.distributed gloo group, and put into the
     object store too (readers that join late, miss a round or restart read them there; the reference role
-    always does). Rendezvous: the trainer's TCPStore, named in the run's state KV (`workers.weights_broadcast`).
+    always does). Rendezvous: the trainer's TCPStore, named in the run's state KV under `weights.broadcast`.
     No authentication on that port: only for a network where every host that reaches it is trusted."""
 
     type: Literal["broadcast"]
