@@ -72,17 +72,21 @@ def kill_after_step(step: int, role: str, index: int = 0) -> Callable[[Cluster],
     return scenario
 
 
-async def replace_the_rollout_worker(cluster: Cluster, joiner: RoleProcess, after_step: int = 3) -> dict[str, Any]:
-    """SIGKILL the run's only rollout worker once `after_step` is recorded, start `joiner` in its place, and return
-    the newcomer's first `weights_loaded` event, checked to name the version current at the kill or a newer one."""
+async def replace_the_rollout_worker(cluster: Cluster, after_step: int = 3) -> tuple[RoleProcess, dict[str, Any]]:
+    """SIGKILL the run's only rollout worker once `after_step` is recorded and start a new one in its place (stopped
+    with the cluster); returns it and its first `weights_loaded` event, checked to name the version current at the
+    kill or a newer one."""
+    first = cluster.role("rollout")
+    joiner = RoleProcess("rollout", 1, first.command, first.log_path.with_name("rollout-1.log"))
     await cluster.wait_step(after_step)
     cluster.kill("rollout")  # the run has no rollout worker until the new one joins
     assert cluster.bus is not None
     current, _ = await cluster.bus.version.get()
+    cluster.spares.append(joiner)
     joiner.start()
     loaded = await until(lambda: role_events(joiner, "weights_loaded"), bool, 120, "the new worker's first load")
     assert loaded[0]["version"] >= max(current, 1), f"joined at v{current}, first loaded {loaded}"
-    return loaded[0]
+    return joiner, loaded[0]
 
 
 @dataclass
@@ -94,6 +98,8 @@ class Cluster:
     work: Path
     processes: RunProcesses
     bus: Bus | None = None
+    spares: list[RoleProcess] = field(default_factory=list)
+    """Processes a test started beside the run's own (stopped with them)."""
 
     @property
     def roles(self) -> list[RoleProcess]:
@@ -181,6 +187,8 @@ class Cluster:
         time.sleep(1.0)  # only on the way to a failure: give them a moment to write before the logs are read
 
     async def stop(self) -> None:
+        for spare in self.spares:
+            spare.stop()
         self.processes.stop(timeout_s=15)
         if self.bus is not None:
             await self.bus.nc.close()

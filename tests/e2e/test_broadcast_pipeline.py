@@ -11,7 +11,6 @@ import pytest
 
 from tests.e2e.cluster import Cluster, replace_the_rollout_worker, role_events, small_config
 from workers.config import parse_config
-from workers.launch.processes import RoleProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
@@ -25,10 +24,8 @@ async def test_a_run_with_broadcast_weights_trains_every_group_once_and_a_joiner
         )
     )
     cluster = await Cluster.start(nats_server.url, config, tmp_path)
-    first = cluster.role("rollout")
-    joiner = RoleProcess("rollout", 1, first.command, first.log_path.with_name("rollout-1.log"))
     try:
-        loaded = await replace_the_rollout_worker(cluster, joiner)
+        joiner, loaded = await replace_the_rollout_worker(cluster)
         await cluster.wait_done()
         acc = await cluster.accounting()
         acc.check_exactly_once(config.trainer.steps, config.groups_per_step)
@@ -40,5 +37,4 @@ async def test_a_run_with_broadcast_weights_trains_every_group_once_and_a_joiner
         rounds = role_events(cluster.role("actor"), "weights_broadcast")
         assert rounds and max(r["members"] for r in rounds) >= 1, rounds
     finally:
-        joiner.stop()
         await cluster.stop()

@@ -85,7 +85,6 @@ async def test_smollm2_trains_on_chat_templated_word_problems_and_exports(
             pytest.fail("vllm is required here but not installed: run `make vllm`")
         pytest.skip("vllm is not installed (run `make vllm`)")
     config = parse_config(real_config(smollm2, engine, {"type": weights}))
-    segments = SharedMemoryTransport(config.run, config.bus.weights_keep)
     cluster = await Cluster.start(nats_server.url, config, tmp_path)
     try:
         await cluster.wait_done(timeout_s=480)
@@ -114,7 +113,8 @@ async def test_smollm2_trains_on_chat_templated_word_problems_and_exports(
         final = await reader.fetch(config.trainer.steps)
     finally:
         await cluster.stop()
-        segments.remove_run()
+        if weights == "shm":
+            SharedMemoryTransport(config.run, config.bus.weights_keep).remove_run()
 
     def compare() -> None:
         exported = AutoModelForCausalLM.from_pretrained(out).eval()

@@ -10,7 +10,6 @@ import pytest
 
 from tests.e2e.cluster import Cluster, replace_the_rollout_worker, role_events, small_config
 from workers.config import parse_config
-from workers.launch.processes import RoleProcess
 from workers.weights import SharedMemoryTransport
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
@@ -27,10 +26,8 @@ async def test_a_run_with_shm_weights_trains_every_group_once_and_prunes_its_seg
     )
     segments = SharedMemoryTransport(config.run, config.bus.weights_keep)
     cluster = await Cluster.start(nats_server.url, config, tmp_path)
-    first = cluster.role("rollout")
-    joiner = RoleProcess("rollout", 1, first.command, first.log_path.with_name("rollout-1.log"))
     try:
-        loaded = await replace_the_rollout_worker(cluster, joiner)
+        joiner, loaded = await replace_the_rollout_worker(cluster)
         await cluster.wait_done()
         acc = await cluster.accounting()
         acc.check_exactly_once(config.trainer.steps, config.groups_per_step)
@@ -41,7 +38,6 @@ async def test_a_run_with_shm_weights_trains_every_group_once_and_prunes_its_seg
         names = sorted(p.name for p in segments.dir.iterdir())
         assert names == ["v0.safetensors", "v7.safetensors", "v8.safetensors"], names
     finally:
-        joiner.stop()
         await cluster.stop()
         segments.remove_run()
     assert not segments.dir.exists()
