@@ -10,6 +10,7 @@ import pytest
 from relax_bus.staleness import release_budget
 from schemas import TrainGroup, WeightsAnnouncement
 from tests.e2e.cluster import Cluster, kill_after_step, small_config
+from tests.waiting import until
 from workers.config import parse_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
@@ -88,11 +89,11 @@ async def test_kill_9_of_a_rollout_worker_loses_nothing(nats_server, tmp_path):
     try:
         acc = await cluster.accounting()
         acc.check_exactly_once(config.trainer.steps, config.groups_per_step)
-        # The run could only finish if what the dead worker held was redelivered; nothing is left in flight.
-        for key in ("prompts", "rollouts"):
-            c = cluster.bus.topology.consumer(key)
-            info = await cluster.bus.js.consumer_info(cluster.bus.topology.stream(key).name, c.durable)
-            assert info.num_ack_pending == 0 and info.num_pending == 0, (key, info.num_ack_pending, info.num_pending)
+        # Whatever the dead worker held is redelivered when its ack wait expires and generated again. That can be
+        # after the last step: prompts whose rollouts it published before dying unacked are not needed by the run.
+        # The generation hops empty; nothing stays locked (the failure names hop -> (pending, unacked)).
+        hops = ("prompts", "rollouts")
+        await until(cluster.stuck, lambda stuck: not set(hops) & set(stuck), 60, f"the {' and '.join(hops)} hops empty")
         # The dead worker's prompts were generated again: a copy that reached the train stream after the last
         # step stays there untrained (the actor is done). Whatever the actor left is such a copy of a group it
         # trained (or dropped), never a group of its own.
