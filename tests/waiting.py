@@ -24,15 +24,17 @@ async def _read(probe: Probe[T]) -> T:
     return value  # type: ignore[return-value]
 
 
-async def until(probe: Probe[T], ok: Callable[[T], bool], timeout_s: float = 60.0, what: str = "condition") -> T:
-    """Poll `probe()` until `ok(value)`; return that value, or fail with the last value seen."""
+async def until(
+    probe: Probe[T], ok: Callable[[T], bool], timeout_s: float = 60.0, what: str = "condition", poll_s: float = 0.05
+) -> T:
+    """Poll `probe()` every `poll_s` until `ok(value)`; return that value, or fail with the last value seen."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = await _read(probe)
         if ok(value):
             return value
         assert time.monotonic() < deadline, f"{what} not reached in {timeout_s:g}s; last seen: {value!r}"
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(poll_s)
 
 
 async def holds(probe: Probe[T], ok: Callable[[T], bool], for_s: float, what: str = "condition") -> T:

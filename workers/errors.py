@@ -20,8 +20,13 @@ class ExportFailed(RelaxBusError):
 
 
 class CheckpointRefused(RelaxBusError):
-    """Raised when a checkpoint holds anything but tensors, containers and numbers (a planted pickle, say):
-    it is not loaded, and nothing in it runs."""
+    """Raised when a checkpoint holds anything but tensors, containers and numbers (a planted pickle, say), or a
+    sharded one misses a part: it is not loaded, and nothing in it runs."""
+
+
+class CheckpointWriteFailed(RelaxBusError):
+    """Raised when a rank could not write its shards of a sharded checkpoint (`trainer.checkpoint_dir`): the
+    checkpoint is not recorded, and the actor fails as after any crash."""
 
 
 class WeightsBaseMismatch(RelaxBusError):

@@ -1,18 +1,21 @@
-"""SIGKILL of the trainer in the middle of an asynchronous checkpoint's upload.
+"""SIGKILL of the trainer in the middle of an asynchronous checkpoint.
 
 Checkpoints are saved in the background while the next steps train, and the KV record names one only
-once its object is whole. Killed mid-upload, the actor leaves chunks that no object names and a record
-that still names the previous checkpoint: the restarted actor clears those chunks, resumes from that
-previous checkpoint, and the run still trains every group exactly once.
+once it is whole. Into the object store: killed mid-upload, the actor leaves chunks that no object names
+and a record that still names the previous checkpoint: the restarted actor clears those chunks, resumes
+from that previous checkpoint, and the run still trains every group exactly once. The kill is timed by the
+bus itself: the test subscribes to the weights store's chunk subjects and SIGKILLs the actor on the first
+chunk of an upload (weights travel through the filesystem here, so every upload into the store is a
+checkpoint), with a checkpoint of ~75 MB in flight.
 
-The kill is timed by the bus itself: the test subscribes to the weights store's chunk subjects and
-SIGKILLs the actor on the first chunk of an upload (weights travel through the filesystem here, so
-every upload into the store is a checkpoint), with a checkpoint of ~75 MB in flight.
+Sharded (`trainer.checkpoint_dir`): the actor is killed as soon as a later step's directory has anything in
+it; the restart removes that directory, which no record names, and resumes from the previous one.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import nats.js.errors
 import pytest
@@ -77,6 +80,44 @@ async def test_sigkill_mid_checkpoint_resumes_from_the_previous_complete_one(nat
         assert not (await bus.js.get_last_msg(store.stream, cut[0])).data, "the cut-off chunks are still stored"
         final = await _record(cluster)
         assert final is not None and final["step"] == STEPS
+    finally:
+        await cluster.stop()
+
+
+async def test_sigkill_mid_sharded_checkpoint_resumes_from_the_previous_complete_one(nats_server, tmp_path):
+    root = tmp_path / "checkpoints"
+    config = parse_config(
+        small_config(
+            run_id(),
+            model={"source": "tiny:512x2"},
+            trainer={"steps": STEPS, "checkpoint_every": 2, "checkpoint_dir": str(root)},
+        )
+    )
+    cluster = await Cluster.start(nats_server.url, config, tmp_path)
+    try:
+        first = await until(lambda: _record(cluster), lambda r: r is not None, 240, "the step-0 checkpoint's record")
+        assert first is not None and first["dir"] == str(root / config.run / "ckpt-0")
+
+        def started() -> list[str]:  # a save of a later step has begun: its directory exists, with anything in it
+            return [p.name for p in (root / config.run).iterdir() if p.name != "ckpt-0" and any(p.iterdir())]
+
+        cut = await until(started, bool, 240, "a sharded checkpoint after step 0 begun", poll_s=0.01)
+        cluster.kill("actor")
+        record = await _record(cluster)
+        assert record is not None and f"ckpt-{record['step']}" not in cut, (record, cut)
+        assert (root / config.run / cut[0]).is_dir()
+
+        cluster.restart("actor")
+        await cluster.wait_done(timeout_s=360)
+        acc = await cluster.accounting()
+        acc.check_exactly_once(STEPS, config.groups_per_step)
+        actor = cluster.role("actor")
+        assert [e["step"] for e in role_events(actor, "actor_resumed")] == [record["step"]]
+        assert [e["dirs"] for e in role_events(actor, "cut_off_checkpoints_cleared")] == [cut]
+        final = await _record(cluster)
+        assert final is not None and final["step"] == STEPS and final["dir"] == str(root / config.run / f"ckpt-{STEPS}")
+        shards = sorted(p.name for p in Path(final["dir"]).iterdir())
+        assert shards == ["shard-00001-model-00001-of-00001.safetensors", "state.json"], shards
     finally:
         await cluster.stop()
 

@@ -140,11 +140,16 @@ async def test_kill_9_of_the_trainer_resumes_from_its_checkpoint(nats_server, tm
 
 
 async def test_fsdp2_trainer_on_two_ranks_under_torchrun(nats_server, tmp_path):
-    config = parse_config(small_config(run_id(), trainer={"steps": 4, "nproc": 2}))
+    root = tmp_path / "checkpoints"
+    config = parse_config(small_config(run_id(), trainer={"steps": 4, "nproc": 2, "checkpoint_dir": str(root)}))
     cluster = await run(nats_server, tmp_path, config)
     try:
         acc = await cluster.accounting()
         acc.check_exactly_once(config.trainer.steps, config.groups_per_step)
         assert [int(m.values["version"]) for m in acc.metrics] == [1, 2, 3, 4]
+        # Sharded checkpoints: each rank wrote its own shards of every one.
+        assert sorted(p.name for p in (root / config.run).iterdir()) == ["ckpt-0", "ckpt-2", "ckpt-4"]
+        shards = sorted(p.name for p in (root / config.run / "ckpt-4").iterdir())
+        assert shards == [f"shard-0000{r}-model-00001-of-00001.safetensors" for r in (1, 2)] + ["state.json"]
     finally:
         await cluster.stop()

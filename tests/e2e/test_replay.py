@@ -6,32 +6,38 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.e2e.cluster import small_config
 from tests.e2e.test_pipeline import run, run_id
 from workers.config import parse_config
+from workers.data.models import load_model
 from workers.errors import ReplayFailed
+from workers.launch.export import export
 from workers.launch.replay import replay
+from workers.training.trainer import PolicyTrainer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 LENGTH = {"type": "python", "options": {"function": "tests.workers.reward_fns:length_credit"}}
 
 
-async def test_replay_reproduces_the_logged_loss(nats_server, tmp_path):
+@pytest.mark.parametrize("sharded", [False, True], ids=["object-store-checkpoints", "sharded-checkpoints"])
+async def test_replay_reproduces_the_logged_loss(nats_server, tmp_path, sharded):
+    trainer = {"steps": 6, "checkpoint_every": 2, "keep_checkpoints": 2, "kl_coef": 0.05}
+    if sharded:
+        trainer["checkpoint_dir"] = str(tmp_path / "checkpoints")
     config = parse_config(
-        small_config(
-            run_id(),
-            rollout={"max_new_tokens": 6, "batch_groups": 4},
-            rewards=[LENGTH],
-            trainer={"steps": 6, "checkpoint_every": 2, "keep_checkpoints": 2, "kl_coef": 0.05},
-        )
+        small_config(run_id(), rollout={"max_new_tokens": 6, "batch_groups": 4}, rewards=[LENGTH], trainer=trainer)
     )
     cluster = await run(nats_server, tmp_path, config)
     try:
         bus = cluster.bus
         assert bus is not None
         names = sorted(n for n in await bus.weights.names() if n.startswith("ckpt-"))
+        if sharded:  # every checkpoint is a directory of shards; the store holds none
+            assert names == []
+            names = sorted(p.name for p in (tmp_path / "checkpoints" / config.run).iterdir())
         assert names == ["ckpt-0", "ckpt-4", "ckpt-6"], names  # step 0 and the newest two
         exact = await replay(bus, 5, tmp_path / "replay")  # straight from ckpt-4
         assert exact.checkpoint_step == 4 and exact.replayed_steps == []
@@ -56,5 +62,16 @@ async def test_replay_reproduces_the_logged_loss(nats_server, tmp_path):
         assert "loss reproduced" in done.stdout and "from checkpoint of step 4" in done.stdout, done.stdout
         bad = subprocess.run([*cli, "--step", "0", *work], capture_output=True, text=True, timeout=120)
         assert bad.returncode == 2 and bad.stderr.startswith("relax: error: ") and "step 0" in bad.stderr, bad.stderr
+
+        if sharded:  # `relax export` reads the newest directory of shards into one model
+            result = await export(bus, tmp_path / "exported", None, tmp_path / "export-work")
+            assert result["step"] == 6, result
+            exported = load_model(tmp_path / "exported").state_dict()
+            trained = PolicyTrainer(tmp_path / "export-work" / config.run / "base", config)
+            trained.restore_sharded(str(tmp_path / "checkpoints" / config.run / "ckpt-6"))
+            base = load_model(tmp_path / "export-work" / config.run / "base").state_dict()
+            for name, value in trained.model.state_dict().items():
+                assert torch.equal(exported[name], value), name
+            assert any(not torch.equal(base[n], exported[n]) for n in base), "the export holds the base weights"
     finally:
         await cluster.stop()

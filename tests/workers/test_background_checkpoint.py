@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -57,7 +59,7 @@ async def test_the_record_names_a_checkpoint_only_once_it_is_whole(make_bus, tmp
     model_dir = materialize("tiny:64x2", tmp_path / "m", seed=0)
     actor = Actor(bus, PolicyTrainer(model_dir, config), ObjectStoreTransport(bus))
     await actor.setup([])  # publishes v0 and checkpoints step 0
-    await actor._checkpointed()
+    await actor.checkpoints.wait()
     assert (await record_of(bus))["step"] == 0
 
     # Step 2's checkpoint: the upload is held back while the next step trains.
@@ -66,11 +68,11 @@ async def test_the_record_names_a_checkpoint_only_once_it_is_whole(make_bus, tmp
     at_step_2 = weights(actor.trainer)
     real_put, release, _ = hold_puts(bus)
     await actor._checkpoint()  # returns with the save in flight
-    assert actor._saving is not None and not actor._saving.done()
+    assert actor.checkpoints.saving is not None and not actor.checkpoints.saving.done()
     moved(actor.trainer)  # the next step changes the weights in place while the save waits
     assert (await record_of(bus))["step"] == 0  # the object is not whole: the record still names step 0
     release.set()
-    await actor._checkpointed()
+    await actor.checkpoints.wait()
     record = await record_of(bus)
     assert record["step"] == 2
     saved = read_checkpoint(await bus.weights.get(record["object"]))["model"]
@@ -85,7 +87,7 @@ async def test_the_record_names_a_checkpoint_only_once_it_is_whole(make_bus, tmp
     bus.weights.put = broken_put
     await actor._checkpoint()
     with pytest.raises(ConnectionError, match="cut off"):
-        await actor._checkpointed()
+        await actor.checkpoints.wait()
     assert (await record_of(bus))["step"] == 2
     bus.weights.put = real_put
     restarted = Actor(bus, PolicyTrainer(model_dir, config), ObjectStoreTransport(bus))
@@ -100,7 +102,7 @@ async def test_the_run_waits_for_the_checkpoint_in_flight(make_bus, tmp_path, on
     bus = await make_bus(config)
     actor = Actor(bus, PolicyTrainer(materialize("tiny:64x2", tmp_path / "m", 0), config), ObjectStoreTransport(bus))
     await actor.setup([])
-    await actor._checkpointed()
+    await actor.checkpoints.wait()
     actor.state.step = 1  # the run's steps are done: run() only finishes what is in flight
     _, release, entered = hold_puts(bus)
     await actor._checkpoint()
@@ -110,3 +112,42 @@ async def test_the_run_waits_for_the_checkpoint_in_flight(make_bus, tmp_path, on
     release.set()
     assert await asyncio.wait_for(running, 30) == 1
     assert (await record_of(bus))["step"] == 1
+
+
+async def test_a_sharded_checkpoint_is_recorded_once_every_shard_is_written(make_bus, tmp_path, one_torch_thread):
+    root = tmp_path / "checkpoints"
+    config = parse_config(small_config("ckptdir", model={"source": "tiny:64x2"}, trainer={"checkpoint_dir": str(root)}))
+    bus = await make_bus(config)
+    model_dir = materialize("tiny:64x2", tmp_path / "m", seed=0)
+    actor = Actor(bus, PolicyTrainer(model_dir, config), ObjectStoreTransport(bus))
+    await actor.setup([])
+    await actor.checkpoints.wait()
+    assert (await record_of(bus))["dir"] == str(root / bus.run / "ckpt-0")
+
+    # Step 2's shards: the write is held back (its future unresolved) while the next step trains.
+    real_save, release = actor.trainer.save_sharded, threading.Event()
+
+    def held_save(path, extra):
+        written = real_save(path, extra)
+        held: Future = Future()
+        threading.Thread(target=lambda: (release.wait(60), held.set_result(written.result()))).start()
+        return held
+
+    actor.trainer.save_sharded = held_save
+    moved(actor.trainer)
+    actor.state.step = 2
+    at_step_2 = weights(actor.trainer)
+    await actor._checkpoint()
+    moved(actor.trainer)
+    assert (await record_of(bus))["step"] == 0  # not every shard is known written: the record names step 0
+    release.set()
+    await actor.checkpoints.wait()
+    assert (await record_of(bus))["dir"] == str(root / bus.run / "ckpt-2")
+
+    restarted = Actor(bus, PolicyTrainer(model_dir, config), ObjectStoreTransport(bus))
+    (root / bus.run / "ckpt-4").mkdir()  # a save cut off by a crash: no record names it
+    await restarted.setup([])
+    assert restarted.state.step == 2 and not (root / bus.run / "ckpt-4").exists()
+    restored = weights(restarted.trainer)
+    assert all(torch.equal(restored[k], at_step_2[k]) for k in at_step_2)
+    assert not [n for n in await bus.weights.names() if n.startswith("ckpt-")]  # none in the store

@@ -272,6 +272,11 @@ class TrainerConfig(Section):
     """Steps between checkpoints (model, optimizer, step, settled group ids, ack floor)."""
     keep_checkpoints: int = Field(default=5, ge=1)
     """Newest checkpoints kept besides step 0's; `relax replay` starts from one at or before the step."""
+    checkpoint_dir: str | None = None
+    """Directory for sharded checkpoints: every trainer rank writes its own shards (safetensors through
+    torch.distributed.checkpoint, in the background) under `<checkpoint_dir>/<run>/ckpt-<step>`, and a restart
+    on any number of ranks reads them back. Several nodes need a filesystem they all mount there. Null:
+    each checkpoint is gathered on rank 0 and stored whole in the weights object store."""
     nproc: int = Field(default=1, ge=1)
     """Trainer processes; above 1 runs under torchrun with FSDP2."""
     nnodes: int = Field(default=1, ge=1)

@@ -23,8 +23,9 @@ from workers.config import PipelineConfig
 from workers.data.models import SOURCE_FILE, load_model, load_tokenizer, materialize
 from workers.errors import CheckpointRefused, ExportFailed
 from workers.launch.embedded import serve_run_dir
-from workers.roles.actor_state import CHECKPOINT_PREFIX, checkpoint_step
+from workers.roles.actor_checkpoint import kept_checkpoints
 from workers.training.checkpoint_io import read_checkpoint
+from workers.training.sharded_checkpoint import read_model
 
 
 @contextlib.asynccontextmanager
@@ -47,7 +48,8 @@ async def run_bus(run: str, settings: ConnectionSettings | None, run_dir: Path) 
 async def export(bus: Bus, out: Path, step: int | None, work_dir: Path) -> dict[str, Any]:
     """Write checkpoint `step` (newest when None) of the run on `bus` to `out`; return what was written."""
     cfg = bus.config
-    kept = sorted(s for s in (checkpoint_step(n) for n in await bus.weights.names()) if s is not None)
+    where = await kept_checkpoints(bus)
+    kept = sorted(where)
     if not kept:
         raise ExportFailed(f"run {bus.run} has no checkpoint yet")
     chosen = kept[-1] if step is None else step
@@ -55,20 +57,25 @@ async def export(bus: Bus, out: Path, step: int | None, work_dir: Path) -> dict[
         raise ExportFailed(f"run {bus.run} keeps no checkpoint of step {chosen} (kept: {', '.join(map(str, kept))})")
     if out.exists() and any(out.iterdir()):
         raise ExportFailed(f"{out} is not empty: choose a new --out")
-    data = await bus.weights.get(f"{CHECKPOINT_PREFIX}{chosen}")
+    found = where[chosen]
+    source: bytes | Path = Path(found["dir"]) if "dir" in found else await bus.weights.get(found["object"])
     base = await asyncio.to_thread(materialize, cfg.model.source, work_dir / bus.run / "base", cfg.model.seed)
-    await asyncio.to_thread(_write, data, base, out)
+    await asyncio.to_thread(_write, source, base, out)
     record = {"source": "export", "run": bus.run, "step": chosen, "base": cfg.model.source}
     (out / SOURCE_FILE).write_text(json.dumps(record))
     return {**record, "out": str(out), "files": sorted(p.name for p in out.iterdir())}
 
 
-def _write(data: bytes, base: Path, out: Path) -> None:
+def _write(source: bytes | Path, base: Path, out: Path) -> None:
+    """Write the model of checkpoint `source` (an object's bytes, or a directory of shards) on `base`'s files."""
+    model = load_model(base)
     try:
-        state = read_checkpoint(data)["model"]
+        if isinstance(source, Path):
+            state = read_model(source, like=model.state_dict())
+        else:
+            state = read_checkpoint(source)["model"]
     except CheckpointRefused as err:
         raise ExportFailed(str(err)) from None
-    model = load_model(base)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if not _tied(model, m)]:
         raise ExportFailed(

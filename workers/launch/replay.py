@@ -24,7 +24,7 @@ from relax_bus.envelope import open_message
 from schemas import Metric, RunEvent, TrainGroup
 from workers.data.models import materialize
 from workers.errors import ReplayFailed
-from workers.roles.actor_state import checkpoint_step
+from workers.roles.actor_checkpoint import kept_checkpoints
 from workers.training.trainer import PolicyTrainer
 
 COMPARED = ("loss", "kl", "grad_norm", "reward_mean", "response_tokens")
@@ -115,7 +115,8 @@ async def replay(bus: Bus, step: int, work_dir: Path) -> Replay:
     if step not in records or not records[step].metrics:
         known = f"1..{max(records)}" if records else "none"
         raise ReplayFailed(f"run {bus.run} has no complete record of step {step} (recorded steps: {known})")
-    kept = sorted(s for s in (checkpoint_step(n) for n in await bus.weights.names()) if s is not None and s < step)
+    where = await kept_checkpoints(bus)
+    kept = [s for s in where if s < step]
     if not kept:
         raise ReplayFailed(f"run {bus.run} keeps no checkpoint before step {step} (raise trainer.keep_checkpoints)")
     base = kept[-1]
@@ -124,13 +125,17 @@ async def replay(bus: Bus, step: int, work_dir: Path) -> Replay:
     if missing:
         raise ReplayFailed(f"steps {missing} between checkpoint {base} and step {step} have no record")
     batches = [await train_groups(bus, records[s], s) for s in [*between, step]]
-    data = await bus.weights.get(f"ckpt-{base}")
+    found = where[base]
+    data = b"" if "dir" in found else await bus.weights.get(found["object"])
     model_dir = await asyncio.to_thread(materialize, cfg.model.source, work_dir / bus.run / "base", cfg.model.seed)
 
     def compute() -> dict[str, float]:
         torch.set_num_threads(1)  # as the actor ran (`relax worker --threads 1`): same reduction order
         trainer = PolicyTrainer(model_dir, cfg)
-        trainer.restore(data)
+        if "dir" in found:
+            trainer.restore_sharded(found["dir"])
+        else:
+            trainer.restore(data)
         for groups in batches[:-1]:
             trainer.step(groups)
         return trainer.step(batches[-1])

@@ -14,11 +14,12 @@ the next step's collection go on. The next publish, a checkpoint and the end of 
 first, so versions are published in order and a checkpoint's version is always readable. A publish
 that failed fails the actor at that wait (it restarts from its checkpoint, as after any crash).
 
-Checkpoints (every `trainer.checkpoint_every` steps, and at step 0) go to the weights object store
-with a record in KV: model, optimizer, step, version, the train consumer's ack floor and the ledger
-of settled groups (`workers.roles.ledger`). A restarted actor loads the latest, rewinds the consumer to the
-floor and skips every group its ledger holds; so do copies of a group published again after a
-crash, wherever they land in the stream: every group is trained exactly once in effect.
+Checkpoints (every `trainer.checkpoint_every` steps, and at step 0) go to the weights object store, or as
+every rank's shards to `trainer.checkpoint_dir` (`workers.roles.actor_checkpoint`), with a record in KV:
+model, optimizer, step, version, the train consumer's ack floor and the ledger of settled groups
+(`workers.roles.ledger`). A restarted actor loads the latest, rewinds the consumer to the floor and skips
+every group its ledger holds; so do copies of a group published again after a crash, wherever they land
+in the stream: every group is trained exactly once in effect.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from relax_bus.staleness import Decision
 from relax_bus.state_keys import TRAINER_DONE, TRAINER_STEP
 from schemas import Metric, RunEvent, TrainGroup
 from workers.config import PipelineConfig, task_spec
-from workers.roles.actor_checkpoint import checkpoint_record, store_checkpoint
+from workers.roles.actor_checkpoint import ActorCheckpoints, checkpoint_record, clear_cut_off_dirs
 from workers.roles.actor_media import ActorMedia
 from workers.roles.actor_state import ActorState
 from workers.roles.serve import RoleContext
@@ -152,12 +153,7 @@ class Actor:
         """The weights publish in progress (its result: the seconds it took)."""
         self._publish_s: float | None = None
         """How long the last finished background publish took."""
-        self._saving: asyncio.Task[None] | None = None
-        """The checkpoint save in progress."""
-        self.checkpoint_path_s: float | None = None
-        """Seconds the last checkpoint held the step up (its snapshot)."""
-        self.checkpoint_s: float | None = None
-        """Seconds the last background checkpoint save took (serialise, upload, record)."""
+        self.checkpoints = ActorCheckpoints(bus, trainer)
         self.media = ActorMedia(getattr(trainer, "prompter", None), bus.media)
         """Processor tensors of the held media groups (a multimodal policy)."""
 
@@ -170,11 +166,12 @@ class Actor:
         if orphans:
             log.info("cut_off_uploads_cleared", store=self.bus.weights.bucket, uploads=orphans)
         record = await checkpoint_record(self.bus)
+        cut = await asyncio.to_thread(clear_cut_off_dirs, self.bus, record)
+        if cut:
+            log.info("cut_off_checkpoints_cleared", dirs=cut)
         current, self.revision = await through_outage(self.bus.version.get, "read policy version")
         if record is not None:
-            data = await through_outage(lambda: self.bus.weights.get(record["object"]), "read checkpoint")
-            extra = await asyncio.to_thread(self.trainer.restore, data)
-            self.state = ActorState.from_extra(extra)
+            self.state = ActorState.from_extra(await self.checkpoints.restore(record))
             # Versions published after that checkpoint stay taken: the next update gets a new number.
             self.state.version = max(self.state.version, current)
             await through_outage(
@@ -212,7 +209,7 @@ class Actor:
             finally:
                 stopper.cancel()
                 await self._published()  # the last version is readable before the run says it is done
-        await self._checkpointed()  # and the last checkpoint is whole
+        await self.checkpoints.wait()  # and the last checkpoint is whole
         if self.state.step >= self.cfg.trainer.steps:
             await self._put(DONE_KEY, str(self.state.step))
             log.info("actor_done", step=self.state.step, version=self.state.version)
@@ -261,8 +258,8 @@ class Actor:
             self.state.trained.add(g.scored.rollout.prompt.release_index)
         if self._publish_s is not None:
             metrics = {**metrics, "weight_publish_s": self._publish_s}
-        if self.checkpoint_s is not None and self.checkpoint_path_s is not None:
-            metrics = {**metrics, "checkpoint_path_s": self.checkpoint_path_s, "checkpoint_s": self.checkpoint_s}
+        if self.checkpoints.save_s is not None and self.checkpoints.path_s is not None:
+            metrics = {**metrics, "checkpoint_path_s": self.checkpoints.path_s, "checkpoint_s": self.checkpoints.save_s}
         self._step = (metrics, lags, time.perf_counter() - sync_started)
 
     async def settled(self, batch: Sequence[Held[TrainGroup]]) -> None:
@@ -356,34 +353,14 @@ class Actor:
         return phases
 
     async def _checkpoint(self) -> None:
-        """Snapshot model, optimizer, schedule and actor state now (at this step's ack floor); serialise, upload and
-        record them in the background while the next steps train. The KV record names a checkpoint only once its
-        object is whole, so a crash mid-upload resumes from the previous one; one save runs at a time, and the
-        run's end (SIGTERM too) waits for it."""
-        await self._checkpointed()
+        """Snapshot model, optimizer, schedule and actor state now (at this step's ack floor) and save them in the
+        background while the next steps train (`ActorCheckpoints`); the run's end (SIGTERM too) waits for it."""
+        await self.checkpoints.wait()
         await self._published()  # the checkpoint's version is readable
         info = await through_outage(lambda: self.bus.js.consumer_info(self.stream, self.durable), "read ack floor")
         floor = info.ack_floor.stream_seq if info.ack_floor else 0
         self.state.floor = floor
-        started = time.perf_counter()
-        state = await asyncio.to_thread(self.trainer.checkpoint_state, self.state.to_extra())
-        self.checkpoint_path_s = time.perf_counter() - started
-        save = self._save_checkpoint(state, self.state.step, self.state.version, floor)
-        self._saving = asyncio.create_task(save, name="save-checkpoint")
-
-    async def _checkpointed(self) -> None:
-        """Wait for the checkpoint being saved, if any (its failure is raised here)."""
-        if self._saving is not None:
-            task, self._saving = self._saving, None
-            await task
-
-    async def _save_checkpoint(self, state: dict[str, Any], step: int, version: int, floor: int) -> None:
-        started = time.perf_counter()
-        data = await asyncio.to_thread(self.trainer.serialize_checkpoint, state)
-        del state
-        record = await store_checkpoint(self.bus, data, step, version, floor)
-        self.checkpoint_s = time.perf_counter() - started
-        log.info("checkpoint_saved", seconds=round(self.checkpoint_s, 3), **record)
+        await self.checkpoints.start(self.state.to_extra(), self.state.step, self.state.version, floor)
 
     async def _put_dropped(self) -> None:
         await self._put(DROPPED_KEY, str(self.state.dropped))

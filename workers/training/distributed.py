@@ -28,7 +28,10 @@ from workers.training.trainer import PolicyTrainer
 
 log = get_logger(__name__)
 
-MIRRORED = frozenset({"step", "warmup", "full_state", "checkpoint_bytes", "checkpoint_state", "restore", "load_full"})
+MIRRORED = frozenset(
+    {"step", "warmup", "full_state", "checkpoint_bytes", "checkpoint_state", "restore", "load_full"}
+    | {"save_sharded", "restore_sharded"}
+)
 
 
 def world() -> tuple[int, int]:
@@ -99,6 +102,7 @@ def follow(trainer: PolicyTrainer) -> None:
         dist.broadcast_object_list(box, src=0)
         name, args = box[0]
         if name == "stop":
+            trainer.sharded.wait()  # this rank's part of the last sharded checkpoint is written
             leave()
             return
         if name not in MIRRORED:

@@ -38,6 +38,7 @@ import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,7 @@ from workers.training.microbatch import pack, pack_groups, split_even
 from workers.training.optim import make_optimizer, make_scheduler
 from workers.training.policy_losses import LOSS_METRICS, policy_loss
 from workers.training.routing_replay import TrainerRouting
+from workers.training.sharded_checkpoint import ShardedCheckpoints
 from workers.training.shared_prompt import grouped_logprobs, place
 
 log = get_logger(__name__)
@@ -88,6 +90,7 @@ class PolicyTrainer:
         torch.manual_seed(self.cfg.seed)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.sharded = ShardedCheckpoints(self.rank, self.world)
         self.device = resolve_device(self.cfg.device)
         self.dtype = compute_dtype(self.cfg.precision, self.device)
         model, self.tokenizer, self.prompter = load_policy(model_dir)
@@ -178,6 +181,15 @@ class PolicyTrainer:
         if schedule[0] is not None:
             self.scheduler.load_state_dict(schedule[0])
         return dict(state["extra"])
+
+    def save_sharded(self, path: str, extra: dict[str, Any]) -> Future[Any]:
+        """Start a sharded checkpoint into directory `path` (a collective; `workers.training.sharded_checkpoint`);
+        the future resolves once every rank's shards are written."""
+        return self.sharded.save(Path(path), self.model, self.optimizer, self.scheduler, extra)
+
+    def restore_sharded(self, path: str) -> dict[str, Any]:
+        """Load the sharded checkpoint in `path` on this world size (a collective); return its `extra`."""
+        return self.sharded.load(Path(path), self.model, self.optimizer, self.scheduler)
 
     # ---- RL step -----------------------------------------------------------------------------------------
 
