@@ -1,26 +1,32 @@
 """The trainer's critical path: per step, the time it spends in the bus against the time its weights take to publish.
 
-    python benchmarks/critical_path.py [--configs demo,smollm2,smollm2-shm] [--steps 20] [--smollm2-steps 8]
-                                       [--work-dir runs/bench-critical-path] [--out FILE]
+    python benchmarks/critical_path.py [--configs demo,demo-sharded,smollm2-shm,smollm2-shm-sharded] [--steps 40]
+                                       [--smollm2-steps 12] [--work-dir runs/bench-critical-path] [--out FILE]
 
 Each config runs once with the real launcher (`relax run`'s `launch`: an embedded nats-server, every role a
-process; the supervised warm-up off, since only step timing is read). `smollm2` needs the model directory of
-`make smollm2` (models/SmolLM2-135M-Instruct); a name ending `-shm` runs that example with
-`weights: {type: shm}`. From the actor's Metric of every step after the first two:
+process; the supervised warm-up off, since only step timing is read), checkpointing every 10 steps. `smollm2`
+needs the model directory of `make smollm2` (models/SmolLM2-135M-Instruct). A name is the example followed by
+variants: `-shm` runs `weights: {type: shm}`, `-sharded` writes sharded checkpoints (`trainer.checkpoint_dir`
+in the run directory) instead of whole ones into the object store. From the actor's Metric of every step after
+the first two:
 
 - step_s: time between two step records (the trainer's whole period);
 - bus_s: what the step spent in the bus on its critical path: admit_s (decode, dedupe, staleness judging)
   + ack_s + weight_sync_s (waiting for the previous version's publish if it is still running, plus the
   snapshot of the new weights);
 - weight_publish_s: how long the previous version's publish took in the background (transport write,
-  policy.version compare-and-set, announcement).
+  policy.version compare-and-set, announcement);
+- checkpoint_path_s: a checkpoint's snapshot (object store: gathering and copying model and optimizer;
+  sharded: staging each rank's shards), the only part of it on the critical path, and checkpoint_s, its save
+  in the background (serialise and upload, or write the shards; then the record); means over the checkpoints
+  seen. checkpoint_frac spreads the snapshot over the 10 steps between checkpoints, as a fraction of the step;
+  sync_and_checkpoint_frac adds weight_sync_s: what weights and checkpoints cost the step.
 
-Measured: bus_frac = bus_s / step_s. Derived, not measured: the step as it was when the publish ran on the
-critical path (before it moved to the background) is step_s - weight_sync_s + weight_publish_s, and its bus
-fraction (admit_s + ack_s + weight_publish_s) over that; both assume the same work in every other phase.
-Checkpoints (every trainer.checkpoint_every steps): only their snapshot is on the critical path, inside step_s
-of a checkpoint step (`checkpoint_path_s` in the JSON, the last one seen); the save runs behind the next steps
-(`checkpoint_s`).
+Measured: bus_frac = bus_s / step_s, checkpoint_frac, sync_and_checkpoint_frac. Derived, not measured: the step
+as it was when the publish ran on the critical path (before it moved to the background) is
+step_s - weight_sync_s + weight_publish_s, and its bus fraction (admit_s + ack_s + weight_publish_s) over that;
+the checkpoint's share when its save ran on the path too is (checkpoint_path_s + checkpoint_s) / 10 / step_s.
+Both assume the same work in every other phase.
 Prints a table and writes JSON.
 """
 
@@ -41,24 +47,30 @@ from workers.launch.launcher import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"demo": ROOT / "examples" / "demo.yaml", "smollm2": ROOT / "examples" / "smollm2.yaml"}
-SHM = "-shm"
-"""A config name ending so runs with the shared-memory weight transport (`smollm2-shm`)."""
+VARIANTS = {"shm", "sharded"}
+"""Name parts after the example: `-shm` runs the shared-memory weight transport, `-sharded` writes sharded
+checkpoints into the run directory (`trainer.checkpoint_dir`) instead of whole ones into the object store."""
 SKIP = 2  # the first steps pay start-up costs (engine warm caches, first weight fetches)
+CHECKPOINT_EVERY = 10
 
 
-def configure(name: str, steps: int) -> PipelineConfig:
-    """The example config `name` (`<example>` or `<example>-shm`), `steps` GRPO steps, no warm-up, its own run."""
-    example = name.removesuffix(SHM)
+def configure(name: str, steps: int, run_dir: Path) -> PipelineConfig:
+    """The example config `name` (`<example>[-shm][-sharded]`), `steps` GRPO steps, no warm-up, its own run."""
+    example, *variants = name.split("-")
+    if example not in CONFIGS or not set(variants) <= VARIANTS:
+        raise SystemExit(f"unknown config {name!r}: <{'|'.join(CONFIGS)}> followed by any of -shm, -sharded")
     overrides: dict[str, Any] = {
         "run": f"bench-cp-{name}",
         "trainer.steps": steps,
         "trainer.warmup.max_steps": 0,
-        "trainer.checkpoint_every": 10,
+        "trainer.checkpoint_every": CHECKPOINT_EVERY,
     }
     if example == "demo":
         overrides["trainer.warmup.noise_steps"] = 0
-    if name.endswith(SHM):
+    if "shm" in variants:
         overrides["weights"] = {"type": "shm"}
+    if "sharded" in variants:
+        overrides["trainer.checkpoint_dir"] = str(run_dir.resolve() / "checkpoints")
     return load_config(CONFIGS[example], overrides)
 
 
@@ -93,31 +105,55 @@ def summarise(name: str, metrics: list[dict[str, Any]]) -> dict[str, Any]:
         "bus_frac": bus / mean["step_s"],
         "derived_step_s_publish_on_path": before_step,
         "derived_bus_frac_publish_on_path": before_bus / before_step,
-        "checkpoint_path_s": rows[-1].get("checkpoint_path_s"),
-        "checkpoint_s": rows[-1].get("checkpoint_s"),
+        **checkpoint_costs(metrics, mean["step_s"], mean["weight_sync_s"]),
+    }
+
+
+def checkpoint_costs(metrics: list[dict[str, Any]], step_s: float, sync_s: float) -> dict[str, Any]:
+    """Each checkpoint's snapshot on the critical path and its background save (every step's Metric carries the
+    last checkpoint's), spread over the steps between checkpoints, as fractions of the step."""
+    seen = sorted({(m["checkpoint_path_s"], m["checkpoint_s"]) for m in metrics if "checkpoint_path_s" in m})
+    if not seen:
+        return {"checkpoints": 0}
+    path = statistics.fmean(p for p, _ in seen)
+    save = statistics.fmean(s for _, s in seen)
+    return {
+        "checkpoints": len(seen),
+        "checkpoint_path_s": path,
+        "checkpoint_s": save,
+        "checkpoint_frac": path / CHECKPOINT_EVERY / step_s,
+        "sync_and_checkpoint_frac": (sync_s + path / CHECKPOINT_EVERY) / step_s,
+        "derived_checkpoint_frac_save_on_path": (path + save) / CHECKPOINT_EVERY / step_s,
     }
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
-        f"{'config':<9} {'steps':>5} {'step s':>8} {'admit s':>8} {'ack s':>7} {'wait s':>7} {'publish s':>9} "
-        f"{'bus %':>6} {'step s (publish on path)':>24} {'bus % (publish on path)':>23}"
+        f"{'config':<20} {'steps':>5} {'step s':>8} {'admit s':>8} {'ack s':>7} {'wait s':>7} {'publish s':>9} "
+        f"{'bus %':>6} {'bus % (publish on path)':>23} {'ckpt path s':>11} {'ckpt save s':>11} "
+        f"{'sync+ckpt %':>11} {'ckpt % (save on path)':>21}"
     )
     out = [head, "-" * len(head)]
     for r in rows:
+        ckpt = (
+            f"{r['checkpoint_path_s']:>11.3f} {r['checkpoint_s']:>11.3f} {100 * r['sync_and_checkpoint_frac']:>10.1f}% "
+            f"{100 * r['derived_checkpoint_frac_save_on_path']:>20.1f}%"
+            if r["checkpoints"]
+            else f"{'-':>11} {'-':>11} {'-':>11} {'-':>21}"
+        )
         out.append(
-            f"{r['config']:<9} {r['steps']:>5} {r['step_s']:>8.3f} {r['admit_s']:>8.4f} {r['ack_s']:>7.4f} "
+            f"{r['config']:<20} {r['steps']:>5} {r['step_s']:>8.3f} {r['admit_s']:>8.4f} {r['ack_s']:>7.4f} "
             f"{r['weight_sync_s']:>7.4f} {r['weight_publish_s']:>9.4f} {100 * r['bus_frac']:>5.1f}% "
-            f"{r['derived_step_s_publish_on_path']:>24.3f} {100 * r['derived_bus_frac_publish_on_path']:>22.1f}%"
+            f"{100 * r['derived_bus_frac_publish_on_path']:>22.1f}% {ckpt}"
         )
     return "\n".join(out)
 
 
 async def main() -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--configs", default="demo,smollm2,smollm2-shm")
-    parser.add_argument("--steps", type=int, default=20, help="GRPO steps of the demo run")
-    parser.add_argument("--smollm2-steps", type=int, default=8)
+    parser.add_argument("--configs", default="demo,demo-sharded,smollm2-shm,smollm2-shm-sharded")
+    parser.add_argument("--steps", type=int, default=40, help="GRPO steps of the demo run")
+    parser.add_argument("--smollm2-steps", type=int, default=12)
     parser.add_argument("--work-dir", default="runs/bench-critical-path")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "critical_path.json"))
     args = parser.parse_args()
@@ -126,7 +162,7 @@ async def main() -> dict[str, Any]:
         steps = args.smollm2_steps if name.startswith("smollm2") else args.steps
         run_dir = Path(args.work_dir) / name
         started = time.perf_counter()
-        metrics = await run_one(configure(name, steps), run_dir)
+        metrics = await run_one(configure(name, steps, run_dir), run_dir)
         rows.append({**summarise(name, metrics), "wall_s": time.perf_counter() - started})
         print(f"{name}: {len(metrics)} steps in {rows[-1]['wall_s']:.0f}s", flush=True)
     print(table(rows))
