@@ -39,7 +39,6 @@ from workers.errors import CheckpointRefused, CheckpointWriteFailed
 
 STATE_FILE = "state.json"
 """The non-tensor part of a sharded checkpoint (rank 0 writes it)."""
-SHARD_SUFFIX = ".safetensors"
 MODEL, OPTIM = "model/", "optim/"
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 """Optimizer state keyed `state.<param fqn>.<name>` / `param_groups.<param fqn>.<name>`: the same keys on any

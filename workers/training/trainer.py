@@ -33,7 +33,6 @@ whole mini-batch on every rank, so tokens weigh as in one process whatever the r
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from collections import defaultdict
@@ -44,13 +43,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from relax_bus.log import get_logger
 from schemas import TrainGroup
@@ -59,7 +52,7 @@ from workers.data.tasks import TaskItem
 from workers.engines.base import MediaInputs
 from workers.training.advantages import group_advantages, overlong_penalty
 from workers.training.batch import Batch, make_batch, older_tokens, untrainable
-from workers.training.checkpoint_io import cloned, read_checkpoint, write_checkpoint
+from workers.training.checkpoint_io import FULL, load_whole, whole_state, write_checkpoint
 from workers.training.corrections import CORRECTION_METRICS
 from workers.training.devices import autocast, compute_dtype, resolve_device
 from workers.training.logprobs import token_logprobs
@@ -74,7 +67,6 @@ from workers.training.shared_prompt import grouped_logprobs, place
 
 log = get_logger(__name__)
 
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 # Metrics averaged over a step's updates; the per-token ones are weighted by each micro-batch's tokens. The
 # largest ones are maxima over micro-batches, ranks and the step's updates.
 _LARGEST = ("tis_max",)
@@ -156,13 +148,7 @@ class PolicyTrainer:
     def checkpoint_state(self, extra: dict[str, Any]) -> dict[str, Any]:
         """Model, optimizer, lr schedule and `extra` as they are now, in tensors of their own (a collective; rank 0
         gets the tensors): the next step may train while `serialize_checkpoint` writes this out."""
-        optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=FULL)
-        return {
-            "model": {k: v.detach().clone() for k, v in self.full_state().items()},
-            "optimizer": cloned(optimizer),
-            "scheduler": copy.deepcopy(self.scheduler.state_dict()),
-            "extra": copy.deepcopy(extra),
-        }
+        return whole_state(self.model, self.optimizer, self.scheduler, extra)
 
     def serialize_checkpoint(self, state: dict[str, Any]) -> bytes:
         """`checkpoint_state`'s result as torch.save bytes (tensors, containers and numbers only); b"" on ranks > 0."""
@@ -170,17 +156,7 @@ class PolicyTrainer:
 
     def restore(self, data: bytes) -> dict[str, Any]:
         """Load a checkpoint written by `checkpoint_bytes`; return its `extra` (ranks > 0 may pass b"")."""
-        empty: dict[str, Any] = {"model": {}, "optimizer": {}, "extra": {}}
-        state = read_checkpoint(data) if data else empty
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.world > 1)
-        set_model_state_dict(self.model, state["model"], options=options)
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
-        schedule = [state.get("scheduler")]
-        if self.world > 1:  # ranks > 0 read no checkpoint, but their optimizer shards need the same lr
-            dist.broadcast_object_list(schedule, src=0)
-        if schedule[0] is not None:
-            self.scheduler.load_state_dict(schedule[0])
-        return dict(state["extra"])
+        return load_whole(data, self.model, self.optimizer, self.scheduler, self.world)
 
     def save_sharded(self, path: str, extra: dict[str, Any]) -> Future[Any]:
         """Start a sharded checkpoint into directory `path` (a collective; `workers.training.sharded_checkpoint`);
