@@ -11,9 +11,11 @@ in the run directory) instead of whole ones into the object store. From the acto
 the first two:
 
 - step_s: time between two step records (the trainer's whole period);
-- bus_s: what the step spent in the bus on its critical path: admit_s (decode, dedupe, staleness judging)
-  + ack_s + weight_sync_s (waiting for the previous version's publish if it is still running, plus the
-  snapshot of the new weights);
+- bus_s: what the step spent in the bus on its critical path: admit_s (dedupe, staleness judging) + ack_s
+  (sent, not confirmed) + weight_sync_s (the snapshot of the new weights, plus waiting for the previous
+  version's publish if it is still running);
+- decode_s: the read-ahead's fetch-side work beside the path (decoding the next step's messages while the
+  current one trains); not part of bus_s, but it shares the machine's cores with training;
 - weight_publish_s: how long the previous version's publish took in the background (transport write,
   policy.version compare-and-set, announcement);
 - checkpoint_path_s: a checkpoint's snapshot (object store: gathering and copying model and optimizer;
@@ -88,7 +90,8 @@ def summarise(name: str, metrics: list[dict[str, Any]]) -> dict[str, Any]:
     rows = [m for m in metrics if m["step"] > SKIP]
     if not rows:
         raise SystemExit(f"{name}: no steps after the first {SKIP}; raise --steps")
-    mean = {k: statistics.fmean(m.get(k, 0.0) for m in rows) for k in ("step_s", "admit_s", "ack_s", "weight_sync_s")}
+    keys = ("step_s", "admit_s", "ack_s", "weight_sync_s", "decode_s")
+    mean = {k: statistics.fmean(m.get(k, 0.0) for m in rows) for k in keys}
     publish = statistics.fmean(m.get("weight_publish_s", 0.0) for m in rows)
     bus = mean["admit_s"] + mean["ack_s"] + mean["weight_sync_s"]
     before_step = mean["step_s"] - mean["weight_sync_s"] + publish
@@ -100,6 +103,7 @@ def summarise(name: str, metrics: list[dict[str, Any]]) -> dict[str, Any]:
         "admit_s": mean["admit_s"],
         "ack_s": mean["ack_s"],
         "weight_sync_s": mean["weight_sync_s"],
+        "decode_s": mean["decode_s"],
         "weight_publish_s": publish,
         "bus_s": bus,
         "bus_frac": bus / mean["step_s"],
@@ -129,7 +133,8 @@ def checkpoint_costs(metrics: list[dict[str, Any]], step_s: float, sync_s: float
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
-        f"{'config':<20} {'steps':>5} {'step s':>8} {'admit s':>8} {'ack s':>7} {'wait s':>7} {'publish s':>9} "
+        f"{'config':<20} {'steps':>5} {'step s':>8} {'admit s':>8} {'ack s':>7} {'wait s':>7} {'decode s':>8} "
+        f"{'publish s':>9} "
         f"{'bus %':>6} {'bus % (publish on path)':>23} {'ckpt path s':>11} {'ckpt save s':>11} "
         f"{'sync+ckpt %':>11} {'ckpt % (save on path)':>21}"
     )
@@ -143,7 +148,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         )
         out.append(
             f"{r['config']:<20} {r['steps']:>5} {r['step_s']:>8.3f} {r['admit_s']:>8.4f} {r['ack_s']:>7.4f} "
-            f"{r['weight_sync_s']:>7.4f} {r['weight_publish_s']:>9.4f} {100 * r['bus_frac']:>5.1f}% "
+            f"{r['weight_sync_s']:>7.4f} {r['decode_s']:>8.4f} {r['weight_publish_s']:>9.4f} "
+            f"{100 * r['bus_frac']:>5.1f}% "
             f"{100 * r['derived_bus_frac_publish_on_path']:>22.1f}% {ckpt}"
         )
     return "\n".join(out)

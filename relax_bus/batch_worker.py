@@ -1,13 +1,16 @@
 """The batch shape of the worker loop: hold up to B admitted messages, handle them once, settle them together.
 
-For a role whose unit of work is a batch (the trainer's step). Per message the bus decodes it (an
-undecodable one is dead-lettered) and asks the role's `admit(message, delivery, held)`, which may
-raise the control exceptions: they are settled where the worker loop settles everything
-(`Worker._settle`): `Skip` acks (a copy already handled), `Drop` terminates with the reason (a stale
-group), `Reject` dead-letters. Returning holds the message for the batch; held messages are kept alive
-until settled. With B held, `handle(batch)` runs once; then every held message is acked, all acks in
-flight together; then `settled(batch)` runs (what must follow the acks: step records, checkpoints).
-A stop, or a failing `handle`, hands the held messages back (nak) for redelivery.
+For a role whose unit of work is a batch (the trainer's step). A reader task fetches and decodes the input up
+to one batch ahead of the batch being collected, so the next batch's messages are decoded while the current
+one is handled (an undecodable one is dead-lettered there). The loop takes them in stream order and asks the
+role's `admit(message, delivery, held)` with the role's state as the previous batch left it; `admit` may raise
+the control exceptions, settled where the worker loop settles everything (`Worker._settle`): `Skip` acks (a
+copy already handled), `Drop` terminates with the reason (a stale group), `Reject` dead-letters. Returning
+holds the message for the batch. Held and read-ahead messages are kept alive until settled. With B held,
+`handle(batch)` runs once; then every held message is acked, without waiting for the server's confirmation
+(an ack that is lost brings its message back, and `admit` must recognise it as a copy); then `settled(batch)`
+runs (what must follow the acks: step records, checkpoints). A stop, or a failing `handle`, hands the held
+and the read-ahead messages back (nak) for redelivery.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from relax_bus.bus import Bus
+from relax_bus.cancel import cancel_and_wait
 from relax_bus.delivery import Counters, Delivery, In, WorkerOptions
 from relax_bus.envelope import open_message
 from relax_bus.errors import BlobCorrupt, BlobNotFound, NatsUnavailable
@@ -77,7 +81,20 @@ class BatchWorker(Worker[In]):
         self.batch_role = batch_role
         self.size = size
         self.timings: collections.defaultdict[str, float] = collections.defaultdict(float)
-        """Seconds spent waiting for data, admitting and acking, since the role last reset it."""
+        """Seconds spent waiting for data, admitting and acking (the loop's own path), and decoding (the reader,
+        beside it), since the role last reset it."""
+        self._ready: collections.deque[Held[In]] = collections.deque()
+        """Messages read and decoded, not yet admitted (at most one batch)."""
+        self._arrived = asyncio.Event()
+        self._room = asyncio.Event()
+        self._reader: asyncio.Task[None] | None = None
+        self._held: list[Held[In]] = []
+        """The batch being collected or handled."""
+
+    def stop(self) -> None:
+        super().stop()
+        self._arrived.set()
+        self._room.set()
 
     async def run(self, *, until_empty: bool = False, handle_signals: bool = False) -> Counters:
         """Collect, handle and settle batches until stopped (`until_empty` has no meaning here: a batch
@@ -85,42 +102,83 @@ class BatchWorker(Worker[In]):
         if until_empty:
             raise ValueError("a BatchWorker runs until stopped; until_empty is for per-message workers")
         async with self._running(handle_signals) as sub:
-            while not self._stop.is_set():
-                held: list[Held[In]] = []
-                try:
-                    if not await self._collect(sub, held):
-                        break
-                    await self.batch_role.handle(held)
-                except BaseException:
-                    await asyncio.gather(*(quietly(h.msg.nak()) for h in held))  # back for redelivery
-                    raise
-                finally:
-                    for h in held:
-                        self._working.pop(id(h.msg), None)
-                started = time.perf_counter()
-                await asyncio.gather(*(self._ack(h.msg) for h in held))
-                self.timings["ack_s"] += time.perf_counter() - started
-                self.counters.processed += len(held)
-                await self.batch_role.settled(held)
+            halt = asyncio.Event()
+            reader = self._reader = asyncio.create_task(self._read(sub, halt), name="read-ahead")
+            reader.add_done_callback(lambda _: self._arrived.set())  # a failed reader wakes `_collect`
+            try:
+                await self._batches()
+            except asyncio.CancelledError:
+                await cancel_and_wait(reader)
+                raise
+            finally:
+                # The reader's pull in flight ends within fetch_timeout_s; only then is everything it brought in
+                # handed back (a pull cut short would leave its messages to come back after ack_wait).
+                halt.set()
+                self._room.set()
+                await asyncio.wait({reader})
+                back = [*self._held, *self._ready]
+                self._held, self._ready = [], collections.deque()
+                await self._hand_back(back)
+            reader.result()  # a reader that failed after the last batch
         return self.counters
 
-    async def _collect(self, sub: JetStreamContext.PullSubscription, held: list[Held[In]]) -> bool:
-        """Fill `held` with a batch; False when stopped first (the held messages are then handed back)."""
+    async def _batches(self) -> None:
+        while not self._stop.is_set():
+            held: list[Held[In]] = []
+            self._held = held
+            if not await self._collect(held):
+                break
+            await self.batch_role.handle(held)  # on a failure `run` hands the batch back
+            self._held = []
+            for h in held:
+                self._working.pop(id(h.msg), None)
+            started = time.perf_counter()
+            for h in held:
+                await self._ack(h.msg)
+            self.timings["ack_s"] += time.perf_counter() - started
+            self.counters.processed += len(held)
+            await self.batch_role.settled(held)
+
+    async def _read(self, sub: JetStreamContext.PullSubscription, halt: asyncio.Event) -> None:
+        """Keep up to one batch of decoded messages ready, until halted (or the worker stops)."""
+        while not (halt.is_set() or self._stop.is_set()):
+            room = self.size() - len(self._ready)
+            if room <= 0:
+                self._room.clear()
+                await self._room.wait()
+                continue
+            for msg in await fetch_at_most(sub, room, self.options.fetch_timeout_s):
+                started = time.perf_counter()
+                opened = await self._open(msg)
+                self.timings["decode_s"] += time.perf_counter() - started
+                if opened is not None:
+                    self._ready.append(opened)
+                    self._arrived.set()
+
+    async def _collect(self, held: list[Held[In]]) -> bool:
+        """Fill `held` with a batch; False when stopped first."""
         started = time.perf_counter()
-        while len(held) < (need := self.size()):
+        while len(held) < self.size():
             if self._stop.is_set():
-                await asyncio.gather(*(quietly(h.msg.nak()) for h in held))
-                return False
-            for msg in await fetch_at_most(sub, need - len(held), self.options.fetch_timeout_s):
-                admit_started = time.perf_counter()
-                item = await self._admit(msg, held)
-                self.timings["admit_s"] += time.perf_counter() - admit_started
-                if item is not None:
-                    held.append(item)
+                return False  # `run` hands the held messages back
+            if not self._ready:
+                if self._reader is not None and self._reader.done():
+                    self._reader.result()  # the reader failed: raise its error here
+                    raise RuntimeError("the read-ahead task ended while a batch was being collected")
+                self._arrived.clear()
+                await self._arrived.wait()
+                continue
+            opened = self._ready.popleft()
+            self._room.set()
+            admit_started = time.perf_counter()
+            if await self._admit(opened, held):
+                held.append(opened)
+            self.timings["admit_s"] += time.perf_counter() - admit_started
         self.timings["data_wait_s"] += time.perf_counter() - started
         return True
 
-    async def _admit(self, msg: Msg, held: list[Held[In]]) -> Held[In] | None:
+    async def _open(self, msg: Msg) -> Held[In] | None:
+        """Decode a delivered message; None when it was dead-lettered instead."""
         delivery = self._delivery(msg)
         self.counters.received += 1
         self._working[id(msg)] = msg  # kept alive from delivery until settled
@@ -134,21 +192,31 @@ class BatchWorker(Worker[In]):
             self._working.pop(id(msg), None)
             await self._dead_letter(msg, delivery, f"undecodable {self.stream.key} message: {err}")
             return None
+        return Held(message, delivery, msg)
+
+    async def _admit(self, opened: Held[In], held: list[Held[In]]) -> bool:
+        """Ask the role; True when it holds the message for the batch (otherwise it is settled here)."""
         try:
-            await self.batch_role.admit(message, delivery, held)
+            await self.batch_role.admit(opened.message, opened.delivery, held)
         except asyncio.CancelledError:
-            self._working.pop(id(msg), None)
-            await quietly(msg.nak())
+            self._working.pop(id(opened.msg), None)
+            await quietly(opened.msg.nak())
             raise
         except BaseException as err:  # every outcome is settled in one place
-            self._working.pop(id(msg), None)
-            await self._settle(msg, delivery, message, err)
-            return None
-        return Held(message, delivery, msg)
+            self._working.pop(id(opened.msg), None)
+            await self._settle(opened.msg, opened.delivery, opened.message, err)
+            return False
+        return True
+
+    async def _hand_back(self, held: Sequence[Held[In]]) -> None:
+        """Nak messages this worker will not handle, for redelivery."""
+        for h in held:
+            self._working.pop(id(h.msg), None)
+        await asyncio.gather(*(quietly(h.msg.nak()) for h in held))
 
     async def _ack(self, msg: Msg) -> None:
         try:
-            await through_outage(msg.ack_sync, "ack a handled message", deadline_s=ACK_OUTAGE_S)
+            await through_outage(msg.ack, "ack a handled message", deadline_s=ACK_OUTAGE_S)
         except NatsUnavailable:
             pass  # tolerated: an ack lost with a server restart brings the message back; `admit` skips it
 

@@ -106,6 +106,45 @@ async def test_a_stop_or_a_failing_handle_hands_the_held_messages_back(bus):
     assert info.num_pending == 0
 
 
+class Gated(Recorder):
+    """A Recorder whose first `handle` waits for `gate`, recording the order of admits and handles."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.gate = asyncio.Event()
+        self.handling = False
+        self.admitted: list[int] = []
+
+    async def admit(self, group, delivery, held):
+        await super().admit(group, delivery, held)
+        self.admitted.append(group.scored.rollout.prompt.release_index)
+
+    async def handle(self, batch):
+        self.handling = True
+        await self.gate.wait()
+        await super().handle(batch)
+
+
+async def test_the_next_batch_is_read_while_one_is_handled_and_admitted_after_it(bus):
+    for i in (0, 1):
+        await bus.publish("train", f.train(bus.run, i))
+    role = Gated(batches=2)
+    worker = batch_worker(bus, role)
+    running = asyncio.create_task(worker.run())
+    await until(lambda: role.handling, bool, 30, "the first batch in handle")
+    for i, msg_id in ((2, "t2"), (0, "t0-copy"), (3, "t3")):  # a copy of a group in the batch being handled
+        await bus.publish("train", f.train(bus.run, i), msg_id=msg_id)
+    # One batch ahead: two more read and decoded during handle, but judged only once the batch is settled.
+    await until(lambda: worker.counters.received, lambda n: n == 4, 30, "the next batch read during handle")
+    assert role.admitted == [0, 1]
+    role.gate.set()
+    counters = await asyncio.wait_for(running, 60)
+    assert role.handled == [[0, 1], [2, 3]]
+    assert role.admitted == [0, 1, 2, 3] and counters.skipped == 1  # the copy judged against the settled batch
+    info = await until(lambda: train_info(bus), lambda i: i.num_ack_pending == 0, 30, "every train message settled")
+    assert info.num_pending == 0 and info.num_redelivered == 0
+
+
 class Counting:
     """A source role releasing `total` prompt groups, `per` at a time."""
 

@@ -120,10 +120,6 @@ async def serve(ctx: RoleContext) -> None:
         await heartbeat.stop(remove=True)
 
 
-def _holds(held: Sequence[Held[TrainGroup]], release_index: int) -> bool:
-    return any(h.message.scored.rollout.prompt.release_index == release_index for h in held)
-
-
 async def _stop_when(stop: asyncio.Event, action: Callable[[], None]) -> None:
     await stop.wait()
     action()
@@ -153,6 +149,8 @@ class Actor:
         """The weights publish in progress (its result: the seconds it took)."""
         self._publish_s: float | None = None
         """How long the last finished background publish took."""
+        self._holding: set[int] = set()
+        """Release indices of the groups held for the step being collected."""
         self.checkpoints = ActorCheckpoints(bus, trainer)
         self.media = ActorMedia(getattr(trainer, "prompter", None), bus.media)
         """Processor tensors of the held media groups (a multimodal policy)."""
@@ -219,7 +217,9 @@ class Actor:
         """Hold a fresh group for the step; `Skip` a copy, and let the staleness rule drop or requeue."""
         attempt_key = f"{group.group_id}/{group.scored.rollout.prompt.attempt}"
         index = group.scored.rollout.prompt.release_index
-        if index in self.state.trained or attempt_key in self.state.settled or _holds(held, index):
+        if not held:
+            self._holding.clear()  # a new step's collection
+        if index in self.state.trained or attempt_key in self.state.settled or index in self._holding:
             raise Skip()  # a copy (redelivered, or published again after a crash): exactly once in effect
         if (why := self.trainer.untrainable(group)) is not None:
             raise Reject(f"group {group.group_id} cannot be trained: {why}")  # dead-lettered; the feeder replaces it
@@ -238,6 +238,7 @@ class Actor:
 
         await admit_fresh(self.bus, group, self.state.version, requeued, dropped)
         await self.media.admit(group)  # held: its processor tensors, before the step needs them
+        self._holding.add(index)
 
     async def handle(self, batch: Sequence[Held[TrainGroup]]) -> None:
         """One optimizer update on the step's groups, then the weights of the next version."""
@@ -245,11 +246,12 @@ class Actor:
         lags = collections.Counter(version - h.message.policy_version for h in batch)
         # In release order, not arrival order: the update does not depend on which worker answered first.
         groups = sorted((h.message for h in batch), key=lambda g: g.scored.rollout.prompt.release_index)
-        metrics = await asyncio.to_thread(self.trainer.step, groups, version, self.media.take(groups))
+        metrics, snapshot, snapshot_s = await asyncio.to_thread(
+            self._train_and_snapshot, groups, version, self.media.take(groups)
+        )
         metrics = {**metrics, **self.media.metrics(groups)}
         sync_started = time.perf_counter()
         await self._published()  # v is readable before v+1 starts: versions advance in order
-        snapshot = await asyncio.to_thread(self._snapshot)
         self.state.version = version + 1  # what the next groups' lag is counted against, as before
         publish = self._publish_weights(version + 1, snapshot, self.state.step)
         self._publishing = asyncio.create_task(publish, name="publish-weights")
@@ -260,7 +262,7 @@ class Actor:
             metrics = {**metrics, "weight_publish_s": self._publish_s}
         if self.checkpoints.save_s is not None and self.checkpoints.path_s is not None:
             metrics = {**metrics, "checkpoint_path_s": self.checkpoints.path_s, "checkpoint_s": self.checkpoints.save_s}
-        self._step = (metrics, lags, time.perf_counter() - sync_started)
+        self._step = (metrics, lags, snapshot_s + time.perf_counter() - sync_started)
 
     async def settled(self, batch: Sequence[Held[TrainGroup]]) -> None:
         """After the step's acks: record it, checkpoint on schedule, stop after the last step."""
@@ -273,6 +275,15 @@ class Actor:
             await self._checkpoint()
         if self.state.step >= self.cfg.trainer.steps:
             self.worker.stop()
+
+    def _train_and_snapshot(
+        self, groups: list[TrainGroup], version: int, media: Any
+    ) -> tuple[dict[str, float], dict[str, torch.Tensor], float]:
+        """The update, then the snapshot of the new weights in the same thread hop; and the snapshot's seconds."""
+        metrics = self.trainer.step(groups, version, media)
+        started = time.perf_counter()
+        snapshot = self._snapshot()
+        return metrics, snapshot, time.perf_counter() - started
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
         """The weights as they are now, in tensors of their own (on CPU `full_state` returns the parameters
@@ -342,11 +353,12 @@ class Actor:
     def _step_timings(self) -> dict[str, float]:
         """This step's phase seconds and `step_s`, the time since the previous step was recorded; resets both.
 
-        data_wait_s: collecting the step's groups (waiting for data, fetch, decode, judging);
-        admit_s: the decode / dedupe / staleness part of it; ack_s: acknowledging the trained groups.
+        data_wait_s: collecting the step's groups (waiting for data, judging); admit_s: the dedupe / staleness part
+        of it; ack_s: acknowledging the trained groups (sent, not confirmed); decode_s: fetching and decoding the
+        groups, done ahead, beside the path (the read-ahead decodes the next step's groups while this one trains).
         """
         now = time.perf_counter()
-        phases = {"data_wait_s": 0.0, "admit_s": 0.0, "ack_s": 0.0, **self.worker.timings}
+        phases = {"data_wait_s": 0.0, "admit_s": 0.0, "ack_s": 0.0, "decode_s": 0.0, **self.worker.timings}
         phases["step_s"] = now - (self.period_start if self.period_start is not None else now)
         self.worker.timings.clear()
         self.period_start = now

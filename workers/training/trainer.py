@@ -134,6 +134,8 @@ class PolicyTrainer:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """The whole model on CPU (a collective: every rank calls it; rank 0 gets the tensors)."""
+        if self.world == 1:  # an unsharded module names the same tensors itself, ~5x faster than the traversal below
+            return {k: v.cpu() for k, v in self.model.state_dict().items()}
         return {k: v.cpu() for k, v in get_model_state_dict(self.model, options=FULL).items()}
 
     def load_full(self, state: dict[str, torch.Tensor]) -> None:
