@@ -41,7 +41,8 @@ MAX_CHUNK = 1 << 20
 WINDOW = 16
 ACK_TIMEOUT_S = 10.0
 STORE_FULL = 10077  # JetStream err_code: maximum bytes exceeded (the store is bounded with discard=new)
-_HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blob-sha256")  # one thread: chunks hash in order
+HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blob-sha256")
+"""Where chunks are hashed: one thread, so the chunks of an object hash in order."""
 
 
 def digest_of(data: bytes | memoryview) -> str:
@@ -86,14 +87,16 @@ class BlobStore:
         data: bytes | memoryview,
         headers: dict[str, str] | None = None,
         sha256: bytes | None = None,
+        nuid: str | None = None,
     ) -> api.ObjectInfo:
         """Store `data` under `name`, replacing any previous object of that name.
 
-        `sha256` is the payload's digest when the caller already computed it (saves a pass).
+        `sha256` is the payload's digest when the caller already computed it (saves a pass). `nuid` names the
+        upload's chunk subject (unique per attempt; a reader can follow `<prefix>.*`, `relax_bus.blob_follow`).
         """
         view = memoryview(data)
         old = await self.info(name)
-        nuid = self.js._nc._nuid.next().decode()
+        nuid = nuid or self.js._nc._nuid.next().decode()
         chunk_subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=nuid)
         sha = None if sha256 is not None else hashlib.sha256()
         pending: list[tuple[asyncio.Future[api.PubAck], memoryview]] = []
@@ -148,13 +151,14 @@ class BlobStore:
         """Fetch an object whole, verifying its digest (and that it is `sha256_hex`, when given)."""
         return b"".join([chunk async for chunk in self._chunks(name, timeout_s, want=sha256_hex)])
 
-    async def get_buffer(self, name: str, timeout_s: float = 30.0) -> memoryview:
-        """Fetch an object into one writable buffer, verifying its digest (for readers that view it in place).
+    async def get_buffer(self, name: str, timeout_s: float = 30.0, info: api.ObjectInfo | None = None) -> memoryview:
+        """Fetch an object (described by `info` when the caller has read it) into one writable buffer, verifying
+        its digest (for readers that view it in place).
 
         The buffer is anonymous memory (`mmap`): its pages are zeroed lazily by the kernel and touched
         once, by the copy of each chunk, instead of twice as a zero-filled bytearray would be.
         """
-        info = await self._info_or_missing(name)
+        info = info or await self._info_or_missing(name)
         buf = memoryview(mmap.mmap(-1, info.size) if info.size else bytearray())
         offset = 0
         async for chunk in self._chunks(name, timeout_s, info):
@@ -203,7 +207,7 @@ class BlobStore:
                     offset += len(msg.data)
                     if offset > size:
                         raise BlobCorrupt(f"object {name!r} in {self.bucket}: more than the {size} bytes recorded")
-                    hashed.append(loop.run_in_executor(_HASHER, sha.update, msg.data))
+                    hashed.append(loop.run_in_executor(HASHER, sha.update, msg.data))
                     yield msg.data
             finally:
                 await sub.unsubscribe()

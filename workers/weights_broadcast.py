@@ -305,6 +305,10 @@ class BroadcastTransport:
                 return state
         return await self.fallback.fetch(version)
 
+    async def prefetch(self, version: int) -> None:
+        """Nothing to start early: a member gets the version in its round, and following the object store's
+        upload as well would download every version twice."""
+
     def close(self) -> None:
         """Leave the rounds (a reader) and drop the store (a publisher): readers first, then their publisher."""
         if self.receiver is not None:

@@ -206,6 +206,9 @@ class FilesystemTransport:
             await asyncio.to_thread(check_digest, data, f"filesystem weights {path}")
         return from_buffer(data)
 
+    async def prefetch(self, version: int) -> None:
+        """Nothing to start early: a version's file appears whole, at its rename."""
+
 
 def read_whole(path: Path) -> bytearray:
     """A file's bytes in one writable buffer (tensors become views into it)."""
@@ -259,6 +262,9 @@ class SharedMemoryTransport:
         if self.verify:
             await asyncio.to_thread(check_digest, mapped, f"shm weights {path}")
         return from_buffer(mapped)
+
+    async def prefetch(self, version: int) -> None:
+        """Nothing to start early: a version's segment appears whole, at its rename."""
 
     def remove_run(self) -> None:
         """Delete every segment of the run (when it is over; a fetch afterwards raises BlobNotFound)."""

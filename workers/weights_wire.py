@@ -76,6 +76,9 @@ class WireTransport:
         wire[MANIFEST] = torch.frombuffer(bytearray(json.dumps(manifest).encode()), dtype=torch.uint8)
         return wire
 
+    async def prefetch(self, version: int) -> None:
+        await self.inner.prefetch(version)
+
     async def fetch(self, version: int) -> StateDict:
         got = await self.inner.fetch(version)
         if version == 0 or MANIFEST not in got:

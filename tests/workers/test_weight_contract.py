@@ -1,5 +1,6 @@
 """The contract every registered weight transport keeps, run against each one on a real nats-server (the control
-plane; the bytes go where the transport puts them): a version comes back bit for bit, a version never published or
+plane; the bytes go where the transport puts them): a version comes back bit for bit (also when a reader said it
+expected it before it was published), a version never published or
 already reclaimed is a clear one-line BlobNotFound, bytes that differ from what was published are refused, readers
 may fetch at once, a reader SIGKILLed mid-fetch leaves nothing that stops the next publish or fetch, v0 and the
 newest `bus.weights_keep` versions stay, and a publisher killed mid-write leaves nothing behind its next publish."""
@@ -83,6 +84,16 @@ async def test_a_published_version_comes_back_bit_for_bit(case):
         assert announcement.version == version and announcement.size > 0
     assert_exact(await transport.fetch(0), sample_state(0))
     assert_exact(await transport.fetch(1), sample_state(1))
+
+
+async def test_a_version_expected_ahead_comes_back_bit_for_bit_and_a_wrong_guess_costs_nothing(case):
+    _, _, transport = case
+    await transport.prefetch(1)  # the hint a rollout worker gives before the version exists
+    await transport.publish(0, sample_state(0), step=0)
+    await transport.publish(1, sample_state(1), step=1)
+    assert_exact(await transport.fetch(1), sample_state(1))
+    await transport.prefetch(5)  # never published: the fetch of another version is not held up
+    assert_exact(await asyncio.wait_for(transport.fetch(0), 30), sample_state(0))
 
 
 async def test_a_version_never_published_is_a_one_line_blob_not_found(case):

@@ -122,7 +122,19 @@ class Rollout:
         if self.worker is not None:
             self.worker.policy_version = target
         log.info("weights_loaded", version=target, seconds=round(time.perf_counter() - started, 3))
+        await self._expect_next(target)
         return time.perf_counter() - started
+
+    async def _expect_next(self, loaded: int) -> None:
+        """Tell the transport which version this worker will load next: with `max_staleness` s, the one whose
+        announcement leaves the loaded one s + 1 behind (none when staleness is unbounded)."""
+        s = self.bus.config.staleness.max_staleness
+        if s is None:
+            return
+        try:
+            await self.transport.prefetch(loaded + s + 1)
+        except Exception as err:  # tolerated: a hint; that version is then fetched once announced, as usual
+            log.warning("weights_prefetch_failed", version=loaded + s + 1, error=f"{type(err).__name__}: {err}")
 
     async def _batches(self) -> None:
         while True:

@@ -1,0 +1,106 @@
+"""Reading an object while it is being written: a reader that starts before the writer.
+
+A writer that names its uploads `<prefix>.<id>` (`BlobStore.put(..., nuid=...)`, a fresh id per attempt) lets
+a reader subscribe to the chunk subjects `$O.<bucket>.C.<prefix>.*` before the upload starts and receive each
+chunk as soon as it is stored, instead of after the object's info record is written. `ChunkFollower` keeps
+the chunks of the newest upload it has seen (another id, e.g. a writer restarted after a crash, starts it
+over), hashing them as they arrive. Once the object is complete (its info record read), `take(info)` waits
+for that upload's last chunk and returns the object in one buffer, verified against the record's digest.
+It returns None, and the caller fetches the object as usual, when the follower never saw that upload, when
+the chunks stop coming, or when they do not hash to the record: the record decides, never the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import mmap
+
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_DIGEST_TYPE
+
+from relax_bus.blobs import HASHER
+from relax_bus.log import get_logger
+
+log = get_logger(__name__)
+
+
+class ChunkFollower:
+    """Follows the uploads named `<prefix>.<id>` in one object store, keeping the newest one's chunks."""
+
+    def __init__(self, js: JetStreamContext, bucket: str, stream: str, prefix: str) -> None:
+        self.js = js
+        self.bucket = bucket
+        self.stream = stream
+        self.prefix = prefix
+        self.subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=f"{prefix}.*")
+        self.upload: str | None = None
+        """The nuid (`<prefix>.<id>`) of the upload whose chunks are kept."""
+        self.chunks: list[bytes] = []
+        self._sha = hashlib.sha256()
+        self._hashed: list[asyncio.Future[None]] = []
+        self._arrived = asyncio.Event()
+        self._sub: JetStreamContext.PushSubscription | None = None
+
+    async def start(self) -> None:
+        """Subscribe (an ordered consumer from the first stored chunk of any such upload)."""
+        self._sub = await self.js.subscribe(
+            self.subject,
+            stream=self.stream,
+            ordered_consumer=True,
+            cb=self._on_chunk,
+            pending_bytes_limit=1 << 40,  # a whole object: its chunks are taken off the queue as they come
+            pending_msgs_limit=-1,
+        )
+
+    async def _on_chunk(self, msg: Msg) -> None:
+        if not msg.data:
+            return  # a rollup marker: the chunks of a failed or deleted upload were cleared
+        upload = msg.subject.removeprefix(OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=""))
+        if upload != self.upload:
+            self.upload, self.chunks, self._sha, self._hashed = upload, [], hashlib.sha256(), []
+        self.chunks.append(msg.data)
+        loop = asyncio.get_running_loop()
+        self._hashed.append(loop.run_in_executor(HASHER, self._sha.update, msg.data))
+        self._arrived.set()
+
+    async def take(self, info: api.ObjectInfo, stall_s: float) -> memoryview | None:
+        """The complete object `info` describes, if this follower has (or gets, each chunk within `stall_s`)
+        all of its chunks and they hash to its record; None otherwise."""
+        want = info.chunks or 0
+        if not (info.nuid or "").startswith(self.prefix + "."):
+            return None
+        while self.upload != info.nuid or len(self.chunks) < want:
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), stall_s)
+            except TimeoutError:
+                log.info("follow_stalled", object=info.name, upload=info.nuid, following=self.upload)
+                return None
+        chunks, sha, hashed = self.chunks, self._sha, list(self._hashed)
+        await asyncio.gather(*hashed)
+        size = sum(len(c) for c in chunks)
+        recorded = (info.digest or "").removeprefix(OBJ_DIGEST_TYPE).rstrip("=")
+        got = base64.urlsafe_b64encode(sha.digest()).decode().rstrip("=")
+        if len(chunks) != want or size != (info.size or 0) or recorded != got:
+            log.warning("follow_mismatch", object=info.name, upload=info.nuid, size=size, recorded_size=info.size)
+            return None
+        buf = memoryview(mmap.mmap(-1, size) if size else bytearray())
+        offset = 0
+        for i, c in enumerate(chunks):
+            buf[offset : offset + len(c)] = c
+            offset += len(c)
+            chunks[i] = b""  # freed as copied: the object is in memory about once, not twice
+        return buf
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            try:
+                await sub.unsubscribe()
+            except Exception:  # tolerated: the subscription died with the connection
+                pass
+        await asyncio.gather(*self._hashed, return_exceptions=True)
+        self.chunks = []
