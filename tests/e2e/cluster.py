@@ -82,6 +82,10 @@ async def replace_the_rollout_worker(cluster: Cluster, after_step: int = 3) -> t
     cluster.kill("rollout")  # the run has no rollout worker until the new one joins
     assert cluster.bus is not None
     current, _ = await cluster.bus.version.get()
+    # Without a rollout worker the run trains at most the groups the feeder released by then, max_staleness + 1
+    # steps past the version at the kill: a run that was that close to its end needs no joiner at all.
+    steps, lead = cluster.config.trainer.steps, (cluster.config.staleness.max_staleness or 0) + 1
+    assert current + lead < steps, f"the run was at v{current} of {steps} steps at the kill: give it more steps"
     cluster.spares.append(joiner)
     joiner.start()
     loaded = await until(lambda: role_events(joiner, "weights_loaded"), bool, 120, "the new worker's first load")
