@@ -84,7 +84,7 @@ class BatchWorker(Worker[In]):
         """Seconds spent waiting for data, admitting and acking (the loop's own path), and decoding (the reader,
         beside it), since the role last reset it."""
         self._ready: collections.deque[Held[In]] = collections.deque()
-        """Messages read and decoded, not yet admitted (at most one batch)."""
+        """Messages read and decoded, not yet admitted (the rest of the batch being collected, and the next one)."""
         self._arrived = asyncio.Event()
         self._room = asyncio.Event()
         self._reader: asyncio.Task[None] | None = None
@@ -130,6 +130,7 @@ class BatchWorker(Worker[In]):
                 break
             await self.batch_role.handle(held)  # on a failure `run` hands the batch back
             self._held = []
+            self._room.set()  # the next batch is the one to read now
             for h in held:
                 self._working.pop(id(h.msg), None)
             started = time.perf_counter()
@@ -139,10 +140,21 @@ class BatchWorker(Worker[In]):
             self.counters.processed += len(held)
             await self.batch_role.settled(held)
 
+    def _wanted(self) -> int:
+        """How many messages to pull now: the rest of the batch being collected first, then the next batch.
+
+        A pull returns once it has all it asked for (or at its timeout), so it never asks for more than the batch
+        in hand can use: the next batch's groups may only come once this one is handled (on-policy), and the
+        rest of this one would wait inside the pull until then."""
+        size, ahead = self.size(), len(self._held) + len(self._ready)
+        if (rest := size - ahead) > 0:
+            return rest
+        return 2 * size - ahead
+
     async def _read(self, sub: JetStreamContext.PullSubscription, halt: asyncio.Event) -> None:
-        """Keep up to one batch of decoded messages ready, until halted (or the worker stops)."""
+        """Keep the batch being collected, and then the next one, read and decoded, until halted (or stopped)."""
         while not (halt.is_set() or self._stop.is_set()):
-            room = self.size() - len(self._ready)
+            room = self._wanted()
             if room <= 0:
                 self._room.clear()
                 await self._room.wait()

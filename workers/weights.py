@@ -66,12 +66,14 @@ class ObjectStoreTransport:
     uploading; `fetch(v)`, called once v is announced, then only waits for the last chunks and checks the
     digest. A reader that followed nothing, or another upload, fetches as usual. It costs the reader a second
     copy of the weights in memory (the version it generates with and the one arriving), and a download of
-    every version it was told to expect, used or not.
+    every version it was told to expect, used or not (`weights.stream: false` turns it off).
     """
 
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Bus, stream: bool = True) -> None:
         self.bus = bus
         self.keep = bus.config.bus.weights_keep
+        self.stream = stream
+        """Follow the upload of a version `prefetch` names (`weights.stream`); without it `prefetch` does nothing."""
         self._follower: tuple[int, ChunkFollower] | None = None
         self.streamed = 0
         """Versions this reader took from a followed upload (the rest were fetched after their announcement)."""
@@ -97,7 +99,7 @@ class ObjectStoreTransport:
         )
 
     async def prefetch(self, version: int) -> None:
-        if self._follower is not None and self._follower[0] == version:
+        if not self.stream or (self._follower is not None and self._follower[0] == version):
             return
         await self._unfollow()
         follower = ChunkFollower(self.bus.js, self.bus.weights.bucket, self.bus.weights.stream, f"w{version}")
@@ -138,7 +140,7 @@ class ObjectStoreTransport:
 
 
 TRANSPORTS: dict[str, Callable[[Bus, Any], WeightTransport]] = {
-    "object_store": lambda bus, cfg: ObjectStoreTransport(bus),
+    "object_store": lambda bus, cfg: ObjectStoreTransport(bus, cfg.stream),
     "filesystem": lambda bus, cfg: FilesystemTransport(
         bus.run, bus.config.bus.weights_keep, Path(cfg.root), cfg.verify
     ),

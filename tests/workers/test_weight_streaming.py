@@ -12,7 +12,7 @@ from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_META_PRE_TEMPLATE
 
 from tests.waiting import until
 from tests.workers.test_shm_weights import assert_exact
-from workers.weights import ObjectStoreTransport, to_bytes
+from workers.weights import ObjectStoreTransport, make_transport, to_bytes
 
 pytestmark = pytest.mark.workers
 
@@ -70,3 +70,13 @@ async def test_a_reader_that_followed_another_version_fetches_as_usual(make_bus)
     await reader.prefetch(2)  # told after the upload: the stored chunks are replayed to it
     assert_exact(await reader.fetch(2), big_state(2))
     assert reader.streamed == 1
+
+
+async def test_stream_false_fetches_every_version_after_its_announcement(make_bus):
+    bus = await make_bus(weights={"type": "object_store", "stream": False})
+    writer, reader = make_transport(bus), make_transport(bus)
+    await reader.prefetch(1)
+    assert reader._follower is None  # nothing followed, nothing downloaded ahead
+    await writer.publish(1, big_state(1), step=1)
+    assert_exact(await reader.fetch(1), big_state(1))
+    assert reader.streamed == 0

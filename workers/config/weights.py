@@ -24,6 +24,11 @@ class ObjectStoreWeights(_Weights):
     """Weights as one safetensors object per version in the run's `weights` object store (no shared disk)."""
 
     type: Literal["object_store"] = "object_store"
+    stream: bool = True
+    """A rollout worker follows the upload of the version it will load next while the trainer writes it, so the
+    fetch its announcement triggers waits only for the last chunks. Costs the worker a second copy of the weights
+    in memory and the CPU to receive them while it generates (on 2 shared cores measured no faster: it is for
+    hosts where the reader has cores or a network link of its own)."""
 
 
 class FilesystemWeights(_Weights):

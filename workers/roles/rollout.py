@@ -126,15 +126,12 @@ class Rollout:
         return time.perf_counter() - started
 
     async def _expect_next(self, loaded: int) -> None:
-        """Tell the transport which version this worker will load next: with `max_staleness` s, the one whose
-        announcement leaves the loaded one s + 1 behind (none when staleness is unbounded)."""
-        s = self.bus.config.staleness.max_staleness
-        if s is None:
-            return
+        """Tell the transport which version this worker will load next: every engine call loads the newest one
+        (`sync_weights`), so while calls come faster than versions, that is the next one published."""
         try:
-            await self.transport.prefetch(loaded + s + 1)
+            await self.transport.prefetch(loaded + 1)
         except Exception as err:  # tolerated: a hint; that version is then fetched once announced, as usual
-            log.warning("weights_prefetch_failed", version=loaded + s + 1, error=f"{type(err).__name__}: {err}")
+            log.warning("weights_prefetch_failed", version=loaded + 1, error=f"{type(err).__name__}: {err}")
 
     async def _batches(self) -> None:
         while True:
