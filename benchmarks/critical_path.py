@@ -1,21 +1,24 @@
 """The trainer's critical path: per step, the time it spends in the bus against the time its weights take to publish.
 
-    python benchmarks/critical_path.py [--configs demo,demo-sharded,smollm2-shm,smollm2-shm-sharded] [--steps 40]
-                                       [--smollm2-steps 12] [--work-dir runs/bench-critical-path] [--out FILE]
+    python benchmarks/critical_path.py [--configs demo,demo-ahead,demo-sharded,smollm2-shm,smollm2-shm-sharded]
+                                       [--steps 40] [--smollm2-steps 12] [--work-dir runs/bench-critical-path]
+                                       [--out FILE]
 
 Each config runs once with the real launcher (`relax run`'s `launch`: an embedded nats-server, every role a
 process; the supervised warm-up off, since only step timing is read), checkpointing every 10 steps. `smollm2`
 needs the model directory of `make smollm2` (models/SmolLM2-135M-Instruct). A name is the example followed by
 variants: `-shm` runs `weights: {type: shm}`, `-sharded` writes sharded checkpoints (`trainer.checkpoint_dir`
-in the run directory) instead of whole ones into the object store. From the actor's Metric of every step after
+in the run directory) instead of whole ones into the object store, `-ahead` sets `trainer.read_ahead: on` (a CPU
+trainer's `auto` is off). From the actor's Metric of every step after
 the first two:
 
 - step_s: time between two step records (the trainer's whole period);
 - bus_s: what the step spent in the bus on its critical path: admit_s (dedupe, staleness judging) + ack_s
   (sent, not confirmed) + weight_sync_s (the snapshot of the new weights, plus waiting for the previous
-  version's publish if it is still running);
-- decode_s: the read-ahead's fetch-side work beside the path (decoding the next step's messages while the
-  current one trains); not part of bus_s, but it shares the machine's cores with training;
+  version's publish if it is still running) + decode_s (fetching and decoding the step's messages) when the
+  actor does not read ahead: counted whole, although part of it overlaps the wait for the step's last groups;
+- decode_s with read_ahead: the next step's messages decoded while the current one trains, beside the path and
+  not in bus_s (it shares the machine's cores with training: compare step_s);
 - weight_publish_s: how long the previous version's publish took in the background (transport write,
   policy.version compare-and-set, announcement);
 - checkpoint_path_s: a checkpoint's snapshot (object store: gathering and copying model and optimizer;
@@ -49,9 +52,10 @@ from workers.launch.launcher import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"demo": ROOT / "examples" / "demo.yaml", "smollm2": ROOT / "examples" / "smollm2.yaml"}
-VARIANTS = {"shm", "sharded"}
+VARIANTS = {"shm", "sharded", "ahead"}
 """Name parts after the example: `-shm` runs the shared-memory weight transport, `-sharded` writes sharded
-checkpoints into the run directory (`trainer.checkpoint_dir`) instead of whole ones into the object store."""
+checkpoints into the run directory (`trainer.checkpoint_dir`) instead of whole ones into the object store,
+`-ahead` reads the next step's groups while a step trains (`trainer.read_ahead: on`)."""
 SKIP = 2  # the first steps pay start-up costs (engine warm caches, first weight fetches)
 CHECKPOINT_EVERY = 10
 
@@ -60,7 +64,7 @@ def configure(name: str, steps: int, run_dir: Path) -> PipelineConfig:
     """The example config `name` (`<example>[-shm][-sharded]`), `steps` GRPO steps, no warm-up, its own run."""
     example, *variants = name.split("-")
     if example not in CONFIGS or not set(variants) <= VARIANTS:
-        raise SystemExit(f"unknown config {name!r}: <{'|'.join(CONFIGS)}> followed by any of -shm, -sharded")
+        raise SystemExit(f"unknown config {name!r}: <{'|'.join(CONFIGS)}> followed by any of -shm, -sharded, -ahead")
     overrides: dict[str, Any] = {
         "run": f"bench-cp-{name}",
         "trainer.steps": steps,
@@ -73,6 +77,8 @@ def configure(name: str, steps: int, run_dir: Path) -> PipelineConfig:
         overrides["weights"] = {"type": "shm"}
     if "sharded" in variants:
         overrides["trainer.checkpoint_dir"] = str(run_dir.resolve() / "checkpoints")
+    if "ahead" in variants:
+        overrides["trainer.read_ahead"] = "on"
     return load_config(CONFIGS[example], overrides)
 
 
@@ -90,12 +96,13 @@ def summarise(name: str, metrics: list[dict[str, Any]]) -> dict[str, Any]:
     rows = [m for m in metrics if m["step"] > SKIP]
     if not rows:
         raise SystemExit(f"{name}: no steps after the first {SKIP}; raise --steps")
-    keys = ("step_s", "admit_s", "ack_s", "weight_sync_s", "decode_s")
+    keys = ("step_s", "admit_s", "ack_s", "weight_sync_s", "decode_s", "read_ahead")
     mean = {k: statistics.fmean(m.get(k, 0.0) for m in rows) for k in keys}
     publish = statistics.fmean(m.get("weight_publish_s", 0.0) for m in rows)
-    bus = mean["admit_s"] + mean["ack_s"] + mean["weight_sync_s"]
+    on_path_decode = 0.0 if mean["read_ahead"] > 0.5 else mean["decode_s"]
+    bus = mean["admit_s"] + mean["ack_s"] + mean["weight_sync_s"] + on_path_decode
     before_step = mean["step_s"] - mean["weight_sync_s"] + publish
-    before_bus = mean["admit_s"] + mean["ack_s"] + publish
+    before_bus = mean["admit_s"] + mean["ack_s"] + on_path_decode + publish
     return {
         "config": name,
         "steps": len(rows),
@@ -104,6 +111,7 @@ def summarise(name: str, metrics: list[dict[str, Any]]) -> dict[str, Any]:
         "ack_s": mean["ack_s"],
         "weight_sync_s": mean["weight_sync_s"],
         "decode_s": mean["decode_s"],
+        "read_ahead": mean["read_ahead"] > 0.5,
         "weight_publish_s": publish,
         "bus_s": bus,
         "bus_frac": bus / mean["step_s"],
@@ -157,7 +165,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 async def main() -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--configs", default="demo,demo-sharded,smollm2-shm,smollm2-shm-sharded")
+    parser.add_argument("--configs", default="demo,demo-ahead,demo-sharded,smollm2-shm,smollm2-shm-sharded")
     parser.add_argument("--steps", type=int, default=40, help="GRPO steps of the demo run")
     parser.add_argument("--smollm2-steps", type=int, default=12)
     parser.add_argument("--work-dir", default="runs/bench-critical-path")

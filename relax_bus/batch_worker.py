@@ -1,16 +1,16 @@
 """The batch shape of the worker loop: hold up to B admitted messages, handle them once, settle them together.
 
-For a role whose unit of work is a batch (the trainer's step). A reader task fetches and decodes the input up
-to one batch ahead of the batch being collected, so the next batch's messages are decoded while the current
-one is handled (an undecodable one is dead-lettered there). The loop takes them in stream order and asks the
-role's `admit(message, delivery, held)` with the role's state as the previous batch left it; `admit` may raise
-the control exceptions, settled where the worker loop settles everything (`Worker._settle`): `Skip` acks (a
-copy already handled), `Drop` terminates with the reason (a stale group), `Reject` dead-letters. Returning
-holds the message for the batch. Held and read-ahead messages are kept alive until settled. With B held,
-`handle(batch)` runs once; then every held message is acked, without waiting for the server's confirmation
-(an ack that is lost brings its message back, and `admit` must recognise it as a copy); then `settled(batch)`
-runs (what must follow the acks: step records, checkpoints). A stop, or a failing `handle`, hands the held
-and the read-ahead messages back (nak) for redelivery.
+For a role whose unit of work is a batch (the trainer's step). A reader task fetches and decodes the input as it
+arrives, and with `read_ahead` up to one batch ahead of the batch being collected, so the next batch's messages
+are decoded while the current one is handled (an undecodable one is dead-lettered there). The loop takes them in
+stream order and asks the role's `admit(message, delivery, held)` with the role's state as the previous batch
+left it; `admit` may raise the control exceptions, settled where the worker loop settles everything
+(`Worker._settle`): `Skip` acks (a copy already handled), `Drop` terminates with the reason (a stale group),
+`Reject` dead-letters. Returning holds the message for the batch. Held and read-ahead messages are kept alive
+until settled. With B held, `handle(batch)` runs once; then every held message is acked, without waiting for the
+server's confirmation (an ack that is lost brings its message back, and `admit` must recognise it as a copy);
+then `settled(batch)` runs (what must follow the acks: step records, checkpoints). A stop, or a failing
+`handle`, hands the held and the read-ahead messages back (nak) for redelivery.
 """
 
 from __future__ import annotations
@@ -76,10 +76,13 @@ class BatchWorker(Worker[In]):
         input_type: type[In],
         size: Callable[[], int],
         options: WorkerOptions | None = None,
+        read_ahead: bool = True,
     ) -> None:
         super().__init__(bus, role, _no_handler, input_type, options)
         self.batch_role = batch_role
         self.size = size
+        self.read_ahead = read_ahead
+        """Read the next batch while one is handled (off when `handle` needs every core the reader would use)."""
         self.timings: collections.defaultdict[str, float] = collections.defaultdict(float)
         """Seconds spent waiting for data, admitting and acking (the loop's own path), and decoding (the reader,
         beside it), since the role last reset it."""
@@ -147,7 +150,7 @@ class BatchWorker(Worker[In]):
         in hand can use: the next batch's groups may only come once this one is handled (on-policy), and the
         rest of this one would wait inside the pull until then."""
         size, ahead = self.size(), len(self._held) + len(self._ready)
-        if (rest := size - ahead) > 0:
+        if (rest := size - ahead) > 0 or not self.read_ahead:
             return rest
         return 2 * size - ahead
 

@@ -145,6 +145,24 @@ async def test_the_next_batch_is_read_while_one_is_handled_and_admitted_after_it
     assert info.num_pending == 0 and info.num_redelivered == 0
 
 
+async def test_without_read_ahead_the_next_batch_stays_on_the_server_while_one_is_handled(bus):
+    for i in (0, 1):
+        await bus.publish("train", f.train(bus.run, i))
+    role = Gated(batches=2)
+    options = WorkerOptions(fetch_timeout_s=0.2)
+    role.worker = worker = BatchWorker(bus, "actor", role, TrainGroup, lambda: 2, options, read_ahead=False)
+    running = asyncio.create_task(worker.run())
+    await until(lambda: role.handling, bool, 30, "the first batch in handle")
+    for i in (2, 3):
+        await bus.publish("train", f.train(bus.run, i))
+    # No pull is waiting while the batch is handled (a CPU trainer's cores are busy): the server keeps them.
+    await until(lambda: train_info(bus), lambda i: i.num_pending == 2 and i.num_waiting == 0, 30, "kept")
+    assert worker.counters.received == 2
+    role.gate.set()
+    await asyncio.wait_for(running, 60)
+    assert role.handled == [[0, 1], [2, 3]]
+
+
 class Counting:
     """A source role releasing `total` prompt groups, `per` at a time."""
 

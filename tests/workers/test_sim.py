@@ -1,4 +1,4 @@
-"""The simulated engine and trainer the cluster benchmarks use: timing model and valid outputs."""
+"""The simulated engine and trainer of the cluster benchmarks (timing, valid outputs); when the actor reads ahead."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from workers.config import parse_config
 from workers.data.tokenizer import EOS_ID
 from workers.engines.base import SamplingSettings, make_engine
 from workers.engines.sim_engine import SimEngine, call_seconds
+from workers.training.devices import reads_ahead
 from workers.training.sim_trainer import SimulatedTrainer
 
 pytestmark = pytest.mark.workers
@@ -74,3 +75,13 @@ def test_sim_engine_per_prompt_seeds_are_independent_of_the_batch(tmp_path: Path
     settings = SamplingSettings(max_new_tokens=4)
     together = engine.generate([[257, 51], [257, 52]], 3, settings, seeds=[5, 9])
     assert engine.generate([[257, 52]], 3, settings, seeds=[9])[0] == together[1]
+
+
+def test_the_actor_reads_ahead_unless_its_update_computes_on_the_cpu() -> None:
+    def trainer(**options: object) -> object:
+        return parse_config({"run": "ahead", "trainer": options}).trainer
+
+    assert not reads_ahead(trainer(device="cpu"))  # decoding beside training would take its cores
+    assert reads_ahead(trainer(device="cpu", simulate={"step_s": 0.02}))  # a simulated update sleeps
+    assert reads_ahead(trainer(device="cpu", read_ahead="on"))
+    assert not reads_ahead(trainer(device="cpu", read_ahead="off", simulate={"step_s": 0.02}))

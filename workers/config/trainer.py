@@ -230,6 +230,11 @@ class TrainerConfig(Section):
     """Where the trainer runs: `auto` takes the GPU (this rank's LOCAL_RANK under torchrun) when CUDA is present."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Compute precision: `auto` is bf16 on CUDA (fp32 master weights; FSDP2 reduces in fp32) and fp32 on CPU."""
+    read_ahead: Literal["auto", "on", "off"] = "auto"
+    """Fetch and decode the next step's train groups while a step trains, off the step's path. `auto`: on unless
+    the update computes on the CPU, where the decoding takes the training's own cores (on 2 cores the demo's step
+    took 7-10 % longer with it; `benchmarks/critical_path.py`); off, the rest of a step is still read as it
+    arrives, beside the wait for it."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass (less memory, ~30% more compute)."""
     routing_replay: Literal["off", "r2", "r3"] = "off"

@@ -48,6 +48,7 @@ from workers.roles.actor_checkpoint import ActorCheckpoints, checkpoint_record, 
 from workers.roles.actor_media import ActorMedia
 from workers.roles.actor_state import ActorState
 from workers.roles.serve import RoleContext
+from workers.training.devices import reads_ahead
 from workers.training.distributed import DrivenTrainer
 from workers.training.trainer import PolicyTrainer
 from workers.weights import WeightTransport
@@ -141,7 +142,13 @@ class Actor:
         self.requeued = 0
         self.period_start: float | None = None  # perf_counter when the current step's period began
         self.worker = BatchWorker(
-            bus, "actor", self, TrainGroup, lambda: self.cfg.groups_per_step, WorkerOptions(fetch_timeout_s=1.0)
+            bus,
+            "actor",
+            self,
+            TrainGroup,
+            lambda: self.cfg.groups_per_step,
+            WorkerOptions(fetch_timeout_s=1.0),
+            read_ahead=reads_ahead(self.cfg.trainer),
         )
         self._step: tuple[dict[str, float], collections.Counter[int], float] | None = None
         """Metrics, lags and weight-sync seconds of the step handled and not yet recorded."""
@@ -355,10 +362,11 @@ class Actor:
 
         data_wait_s: collecting the step's groups (waiting for data, judging); admit_s: the dedupe / staleness part
         of it; ack_s: acknowledging the trained groups (sent, not confirmed); decode_s: fetching and decoding the
-        groups, done ahead, beside the path (the read-ahead decodes the next step's groups while this one trains).
+        groups as they arrive (with read_ahead 1, the next step's while this one trains, off the step's path).
         """
         now = time.perf_counter()
         phases = {"data_wait_s": 0.0, "admit_s": 0.0, "ack_s": 0.0, "decode_s": 0.0, **self.worker.timings}
+        phases["read_ahead"] = float(self.worker.read_ahead)
         phases["step_s"] = now - (self.period_start if self.period_start is not None else now)
         self.worker.timings.clear()
         self.period_start = now

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,14 @@ def resolve_device(kind: str) -> torch.device:
     if not torch.cuda.is_available():
         raise ValueError("trainer.device is 'cuda' but torch sees no CUDA device (torch.cuda.is_available() is False)")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def reads_ahead(trainer: Any) -> bool:
+    """Whether the actor decodes the next step's groups while a step trains (`trainer.read_ahead`, a
+    `TrainerConfig`): `auto` reads ahead unless the update computes on the CPU (a simulated step sleeps)."""
+    if trainer.read_ahead != "auto":
+        return bool(trainer.read_ahead == "on")
+    return trainer.simulate is not None or resolve_device(trainer.device).type != "cpu"
 
 
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
