@@ -270,6 +270,7 @@ def test_config_show_prints_defaults_and_the_chain(tmp_path):
         "type": "object_store",
         "delta": False,
         "wire_dtype": "float32",
+        "stream": True,
     }
     assert [(r["name"], r["input"], r["output"]) for r in data["chain"]] == [
         ("feeder", None, "prompts"),

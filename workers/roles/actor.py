@@ -286,7 +286,8 @@ class Actor:
     def _train_and_snapshot(
         self, groups: list[TrainGroup], version: int, media: Any
     ) -> tuple[dict[str, float], dict[str, torch.Tensor], float]:
-        """The update, then the snapshot of the new weights in the same thread hop; and the snapshot's seconds."""
+        """The update, then the snapshot of the new weights in the same thread hop; and the snapshot's seconds. (A
+        publish slower than a step still holds its own snapshot meanwhile: two copies of the weights at most.)"""
         metrics = self.trainer.step(groups, version, media)
         started = time.perf_counter()
         snapshot = self._snapshot()
