@@ -13,15 +13,14 @@ the chunks stop coming, or when they do not hash to the record: the record decid
 from __future__ import annotations
 
 import asyncio
-import base64
 import hashlib
 import mmap
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
-from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_DIGEST_TYPE
+from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE
 
-from relax_bus.blobs import HASHER
+from relax_bus.blobs import HASHER, matches_record
 from relax_bus.log import get_logger
 
 log = get_logger(__name__)
@@ -82,9 +81,7 @@ class ChunkFollower:
         chunks, sha, hashed = self.chunks, self._sha, list(self._hashed)
         await asyncio.gather(*hashed)
         size = sum(len(c) for c in chunks)
-        recorded = (info.digest or "").removeprefix(OBJ_DIGEST_TYPE).rstrip("=")
-        got = base64.urlsafe_b64encode(sha.digest()).decode().rstrip("=")
-        if len(chunks) != want or size != (info.size or 0) or recorded != got:
+        if len(chunks) != want or size != (info.size or 0) or not matches_record(info, sha):
             log.warning("follow_mismatch", object=info.name, upload=info.nuid, size=size, recorded_size=info.size)
             return None
         buf = memoryview(mmap.mmap(-1, size) if size else bytearray())

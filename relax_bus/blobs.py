@@ -23,6 +23,7 @@ import mmap
 from collections.abc import AsyncIterator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
+from typing import Any
 
 import nats.errors
 import nats.js.errors
@@ -48,6 +49,13 @@ HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blob-sha256")
 def digest_of(data: bytes | memoryview) -> str:
     """`sha256:<hex>` of a payload: the address of a content-addressed blob."""
     return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def matches_record(info: api.ObjectInfo, sha: Any) -> bool:
+    """Whether `sha` (a hashlib sha256 of the bytes read) is the digest the object's info record names (a record
+    naming none is not checked)."""
+    recorded = (info.digest or "").removeprefix(OBJ_DIGEST_TYPE).rstrip("=")
+    return not recorded or recorded == base64.urlsafe_b64encode(sha.digest()).decode().rstrip("=")
 
 
 def _meta_subject(bucket: str, name: str) -> str:
@@ -158,7 +166,7 @@ class BlobStore:
         The buffer is anonymous memory (`mmap`): its pages are zeroed lazily by the kernel and touched
         once, by the copy of each chunk, instead of twice as a zero-filled bytearray would be.
         """
-        info = info or await self._info_or_missing(name)
+        info = info or await self.info_or_missing(name)
         buf = memoryview(mmap.mmap(-1, info.size) if info.size else bytearray())
         offset = 0
         async for chunk in self._chunks(name, timeout_s, info):
@@ -166,7 +174,8 @@ class BlobStore:
             offset += len(chunk)
         return buf
 
-    async def _info_or_missing(self, name: str) -> api.ObjectInfo:
+    async def info_or_missing(self, name: str) -> api.ObjectInfo:
+        """The object's info record; `BlobNotFound` naming the object and store when there is none."""
         info = await self.info(name)
         if info is None:
             raise BlobNotFound(f"no object {name!r} in store {self.bucket}")
@@ -181,7 +190,7 @@ class BlobStore:
         Hashing runs in a helper thread (sha256 releases the GIL), in chunk order, while this task
         keeps receiving: on a large object it costs as much CPU as receiving does.
         """
-        info = info or await self._info_or_missing(name)
+        info = info or await self.info_or_missing(name)
         size, chunks = info.size or 0, info.chunks or 0
         sha = hashlib.sha256()
         hashed: list[asyncio.Future[None]] = []
@@ -214,9 +223,7 @@ class BlobStore:
                 await asyncio.gather(*hashed, return_exceptions=True)
         if offset != size:
             raise BlobCorrupt(f"object {name!r} in {self.bucket}: got {offset} bytes, expected {size}")
-        recorded = (info.digest or "").removeprefix(OBJ_DIGEST_TYPE)
-        got = base64.urlsafe_b64encode(sha.digest()).decode()
-        if recorded and recorded.rstrip("=") != got.rstrip("="):
+        if not matches_record(info, sha):
             raise BlobCorrupt(f"object {name!r} in {self.bucket}: digest mismatch")
         if want is not None and sha.hexdigest() != want:
             # The object's own record can be rewritten by whoever writes the store; the claim cannot.

@@ -109,10 +109,11 @@ class ObjectStoreTransport:
     async def fetch(self, version: int) -> StateDict:
         started = time.perf_counter()
         name = f"v{version}"
-        info = await self.bus.weights.info(name)
-        if info is None:
+        try:
+            info = await self.bus.weights.info_or_missing(name)
+        except BlobNotFound:
             await self._unfollow()
-            raise BlobNotFound(f"no object {name!r} in store {self.bus.weights.bucket}")
+            raise
         data = None
         if self._follower is not None and self._follower[0] == version:
             data = await self._follower[1].take(info, stall_s=FOLLOW_STALL_S)
