@@ -41,12 +41,14 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-logo
 
 test: lint vllm smollm2
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
+# The deploy tier (Kubernetes manifests, generated deploy files) is seconds too: it runs here.
 test-unit: install
-	$(VENV)/bin/pytest -m "unit or workers" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -m "unit or workers or deploy" $(PYTEST_ARGS)
 
 test-bus: install
 	$(VENV)/bin/pytest -m "bus or cli" $(PYTEST_ARGS)

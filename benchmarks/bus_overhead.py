@@ -43,10 +43,10 @@ from pipeline import write_results
 from relax_bus import log
 from relax_bus.bus import Bus
 from relax_bus.connection import connect
+from relax_bus.ops.server import EmbeddedServer
+from relax_bus.policy_version import VersionTracker
 from relax_bus.provision import provision
-from relax_bus.server import EmbeddedServer
 from relax_bus.settings import ConnectionSettings
-from relax_bus.version import VersionTracker
 from relax_bus.worker import Worker, WorkerOptions
 from schemas import PromptGroup, RolloutGroup, TrainGroup, encode
 from workers.config import PipelineConfig, load_config, task_spec

@@ -31,8 +31,8 @@ import nats.errors
 from relax_bus import log
 from relax_bus.bus import Bus
 from relax_bus.envelope import open_message
+from relax_bus.ops.server import EmbeddedServer
 from relax_bus.provision import provision
-from relax_bus.server import EmbeddedServer
 from relax_bus.worker import Worker, WorkerOptions
 from schemas import ImagePart, PromptGroup, TextPart, VideoPart
 from workers.config import PipelineConfig, parse_config

@@ -27,6 +27,7 @@ from workers.roles.feeder import group_for
 from workers.roles.reward import make_scorer_from, score_group
 from workers.roles.rollout import sample_of
 from workers.training.trainer import PolicyTrainer
+from workers.training.warmup import run_warmup
 
 DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo.yaml"
 
@@ -36,7 +37,7 @@ def warm_start(base: PipelineConfig, work: Path) -> tuple[Path, dict[str, float]
     torch.set_num_threads(1)  # as the actor does it (two threads stall on a shared two-core machine)
     model_dir = materialize(base.model.source, work / "base", base.model.seed)
     trainer = PolicyTrainer(model_dir, base)
-    info = trainer.warmup(load_task(task_spec(base.task)))
+    info = run_warmup(trainer, load_task(task_spec(base.task)))
     warm = work / "warm"
     trainer.model.save_pretrained(warm, safe_serialization=True)
     trainer.tokenizer.save_pretrained(warm)

@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from relax_bus.server import EmbeddedServer
+from relax_bus.ops.server import EmbeddedServer
 from workers.config import PipelineConfig, load_config
 from workers.launch.launcher import launch
 

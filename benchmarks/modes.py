@@ -51,7 +51,7 @@ from pipeline import read_train_groups, write_results
 from relax_bus import log
 from relax_bus.bus import Bus
 from relax_bus.connection import connect
-from relax_bus.server import EmbeddedServer
+from relax_bus.ops.server import EmbeddedServer
 from relax_bus.settings import ConnectionSettings
 from schemas import RunEvent, decode
 from workers.config import PipelineConfig, load_config

@@ -26,7 +26,7 @@ import nats
 import nats.aio.client
 
 from relax_bus.blobs import BlobStore
-from relax_bus.server import EmbeddedServer
+from relax_bus.ops.server import EmbeddedServer
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "reads"

@@ -34,11 +34,11 @@ from pipeline import write_results
 
 from schemas import PromptGroup, RolloutGroup, ScoredGroup, TrainGroup, WireTensor, encode
 from schemas.parts import Part
-from workers.data.media_refs import by_reference, media_bytes, modality
 from workers.data.models import materialize
 from workers.data.tasks import load_task
 from workers.engines.base import SamplingSettings
 from workers.engines.torch_engine import TorchEngine
+from workers.omni.media_refs import by_reference, media_bytes, modality
 from workers.omni.prompts import MediaPrompter
 from workers.roles.rollout import sample_of
 

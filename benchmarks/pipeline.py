@@ -31,8 +31,8 @@ from relax_bus import log
 from relax_bus.bus import Bus
 from relax_bus.connection import connect
 from relax_bus.envelope import open_message
+from relax_bus.ops.server import EmbeddedServer
 from relax_bus.provision import provision
-from relax_bus.server import EmbeddedServer
 from relax_bus.settings import ConnectionSettings
 from schemas import Metric, TrainGroup
 from workers.config import PipelineConfig

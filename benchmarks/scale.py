@@ -32,7 +32,7 @@ from bus_throughput import our_messages, raw_messages
 from pipeline import run_pipeline, write_results
 
 from relax_bus import log
-from relax_bus.server import EmbeddedServer
+from relax_bus.ops.server import EmbeddedServer
 from schemas import encode
 from workers.config import PipelineConfig, parse_config
 

@@ -42,8 +42,8 @@ from benchmarks.weights_sync import MB, make_state  # noqa: E402
 from relax_bus import log  # noqa: E402
 from relax_bus.bus import Bus  # noqa: E402
 from relax_bus.connection import connect  # noqa: E402
+from relax_bus.ops.server import EmbeddedServer  # noqa: E402
 from relax_bus.provision import provision  # noqa: E402
-from relax_bus.server import EmbeddedServer  # noqa: E402
 from relax_bus.settings import ConnectionSettings  # noqa: E402
 from workers.config import PipelineConfig, parse_config  # noqa: E402
 from workers.weights import ObjectStoreTransport, to_bytes  # noqa: E402

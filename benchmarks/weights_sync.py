@@ -15,7 +15,7 @@ layers of a few large matrices) the transports move the same state dict, in one 
   `shm verified` the same with `verify: true` (a sha256 pass over the segment on each fetch).
 - memory: serialisation to bytes and deserialisation from them, nothing moved (the floor of any
   transport that uses safetensors).
-- broadcast xN (`--receivers`, default 1,2,4): `workers.weights_broadcast.BroadcastTransport` with N readers
+- broadcast xN (`--receivers`, default 1,2,4): `workers.weights.broadcast.BroadcastTransport` with N readers
   that joined (threads of this process, gloo over the loopback; on 2 cores they share them). Publish = the
   round (every reader receives every bucket) and the object store's copy, side by side; `round` = the
   round alone; fetch = each reader's fetch (the version it received: no transfer left), the slowest counted.
@@ -48,8 +48,8 @@ from safetensors.torch import load as st_load
 from relax_bus import log
 from relax_bus.bus import Bus
 from relax_bus.connection import connect
+from relax_bus.ops.server import EmbeddedServer
 from relax_bus.provision import provision
-from relax_bus.server import EmbeddedServer
 from relax_bus.settings import ConnectionSettings
 from workers.config import BroadcastWeights, PipelineConfig, parse_config
 from workers.weights import (

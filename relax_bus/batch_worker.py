@@ -10,7 +10,8 @@ left it; `admit` may raise the control exceptions, settled where the worker loop
 until settled. With B held, `handle(batch)` runs once; then every held message is acked, without waiting for the
 server's confirmation (an ack that is lost brings its message back, and `admit` must recognise it as a copy);
 then `settled(batch)` runs (what must follow the acks: step records, checkpoints). A stop, or a failing
-`handle`, hands the held and the read-ahead messages back (nak) for redelivery.
+`handle`, hands the held and the read-ahead messages back (nak) for redelivery. A role that restarts from a
+checkpoint first rewinds the durable (`rewind`) to the ack floor recorded with it, so what followed comes again.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import collections
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, cast
+from typing import Generic, Protocol
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -28,13 +29,12 @@ from nats.js import JetStreamContext
 from relax_bus.bus import Bus
 from relax_bus.cancel import cancel_and_wait
 from relax_bus.delivery import Counters, Delivery, In, WorkerOptions
-from relax_bus.envelope import open_message
-from relax_bus.errors import BlobCorrupt, BlobNotFound, NatsUnavailable
+from relax_bus.errors import NatsUnavailable
 from relax_bus.fetch import fetch_at_most
 from relax_bus.log import get_logger
 from relax_bus.outage import through_outage
+from relax_bus.rewind import rewind_durable
 from relax_bus.worker import Worker, quietly
-from schemas import SchemaError
 
 log = get_logger(__name__)
 
@@ -99,12 +99,19 @@ class BatchWorker(Worker[In]):
         self._arrived.set()
         self._room.set()
 
-    async def run(self, *, until_empty: bool = False, handle_signals: bool = False) -> Counters:
+    async def rewind(self, seq: int | None = None) -> int:
+        """Rewind the role's durable so delivery starts again at stream sequence `seq` (None: just after its ack
+        floor), before `run`: a role restarting from a checkpoint replays what followed it. Returns `seq`."""
+        return await rewind_durable(self.bus, self.stream.name, self.consumer.durable, seq)
+
+    async def run(
+        self, *, until_empty: bool = False, stop: asyncio.Event | None = None, handle_signals: bool = False
+    ) -> Counters:
         """Collect, handle and settle batches until stopped (`until_empty` has no meaning here: a batch
         role waits for a whole batch)."""
         if until_empty:
             raise ValueError("a BatchWorker runs until stopped; until_empty is for per-message workers")
-        async with self._running(handle_signals) as sub:
+        async with self.running(stop=stop, handle_signals=handle_signals), self._consuming() as sub:
             halt = asyncio.Event()
             reader = self._reader = asyncio.create_task(self._read(sub, halt), name="read-ahead")
             reader.add_done_callback(lambda _: self._arrived.set())  # a failed reader wakes `_collect`
@@ -197,15 +204,9 @@ class BatchWorker(Worker[In]):
         delivery = self._delivery(msg)
         self.counters.received += 1
         self._working[id(msg)] = msg  # kept alive from delivery until settled
-        if (foreign := self._foreign(msg)) is not None:
+        message = await self._decode(msg, delivery)
+        if message is None:
             self._working.pop(id(msg), None)
-            await self._dead_letter(msg, delivery, foreign)
-            return None
-        try:
-            message = cast(In, await open_message(msg.data, msg.headers, self.bus.media, self.input_type))
-        except (SchemaError, BlobNotFound, BlobCorrupt) as err:
-            self._working.pop(id(msg), None)
-            await self._dead_letter(msg, delivery, f"undecodable {self.stream.key} message: {err}")
             return None
         return Held(message, delivery, msg)
 

@@ -14,11 +14,12 @@ from nats.js.kv import KeyValue
 from relax_bus.blobs import BlobStore
 from relax_bus.connection import connect
 from relax_bus.log import get_logger
+from relax_bus.policy_version import PolicyVersion
 from relax_bus.provision import read_config, state_kv
 from relax_bus.publisher import Publisher
+from relax_bus.run_state import RunState
 from relax_bus.settings import C, ConnectionSettings, RunConfig
 from relax_bus.topology import Topology, build_topology
-from relax_bus.version import PolicyVersion
 from schemas import Message
 
 log = get_logger(__name__)
@@ -89,6 +90,11 @@ class Bus(Generic[C]):
     @property
     def run(self) -> str:
         return self.config.run
+
+    @property
+    def run_state(self) -> RunState:
+        """The run's state bucket with reads and writes that ride through NATS outages (`state` is the raw bucket)."""
+        return RunState(self.state)
 
     async def publish(self, subject_key: str, message: Message, msg_id: str | None = None) -> api.PubAck:
         """Publish to one of the run's subjects by key (prompts, rollouts, scored, train, dlq, events)."""

@@ -1,20 +1,25 @@
 """The chain of roles of a run, as data: which hop each role reads and writes, and what else it touches.
 
-The bus knows no role by name. The process that loads a run config (the `relax` command, a test, a
-benchmark) fills `RunConfig.chain` from its role registry; `relax init` stores it with the config, and
-the topology (consumers), the credentials (`relax auth`) and `relax inspect` read it from there.
+The bus knows no role and no hop by name. The process that loads a run config (the `relax` command, a test,
+a benchmark) fills `RunConfig.chain` from its role registry; `relax init` stores it with the config, and
+the topology (streams and consumers), the credentials (`relax auth`) and `relax inspect` read it from there.
+A hop (a work-queue stream) is any key a role of the chain reads or writes that is not one of the run's
+limits streams (`hop_keys`): a new stage with a new hop edits the registry only.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable, Sequence
+
 from pydantic import BaseModel, ConfigDict, Field
 
-HOPS = ("prompts", "rollouts", "scored")
-"""The work-queue streams between stages."""
-SUBJECT_KEYS = ("prompts", "rollouts", "scored", "train", "dlq", "events")
-"""Every stream of a run, by key."""
+LIMITS_STREAMS = ("train", "dlq", "events")
+"""The run's limits streams, whatever its chain: the trainer's input (kept for replay), dead letters, events."""
+KEY_PATTERN = r"^[a-z][a-z0-9_]{0,31}$"
+"""What a stream key looks like (it names the stream and its subject)."""
 RESERVED = ("admin", "observer")
-"""Names of the NATS users `relax auth` writes besides the roles' (`relax_bus.auth`)."""
+"""Names of the NATS users `relax auth` writes besides the roles' (`relax_bus.ops.auth`)."""
 
 
 class Grants(BaseModel):
@@ -57,9 +62,22 @@ class Role(BaseModel):
     """What else it may touch (`relax auth` turns this into NATS permissions)."""
 
 
-def chain_problems(chain: tuple[Role, ...]) -> list[str]:
-    """Why `chain` cannot be a run's topology (empty when it can)."""
+def hop_keys(chain: Iterable[Role], declared: Sequence[str] = ()) -> tuple[str, ...]:
+    """The work-queue streams of a run, by key: `declared` first, then every key a role of `chain` reads or
+    writes (input, output, `Grants.publishes`) that is not a limits stream, in chain order, each once."""
+    keys = [k for k in declared if k not in LIMITS_STREAMS]
+    for r in chain:
+        for key in (r.input, r.output, *r.grants.publishes):
+            if key is not None and key not in LIMITS_STREAMS and key not in keys:
+                keys.append(key)
+    return tuple(keys)
+
+
+def chain_problems(chain: tuple[Role, ...], hops: Sequence[str] = ()) -> list[str]:
+    """Why `chain`, with the declared `hops`, cannot be a run's topology (empty when it can)."""
     problems = []
+    if bad := [k for k in hops if k in LIMITS_STREAMS or not re.match(KEY_PATTERN, k)]:
+        problems.append(f"hops {bad} are not hop keys ({KEY_PATTERN}, none of {', '.join(LIMITS_STREAMS)})")
     names = [r.name for r in chain]
     if duplicated := sorted({n for n in names if names.count(n) > 1}):
         problems.append(f"roles named more than once: {duplicated}")
@@ -68,8 +86,11 @@ def chain_problems(chain: tuple[Role, ...]) -> list[str]:
     inputs = [r.input for r in chain if r.input is not None]
     if shared := sorted({i for i in inputs if inputs.count(i) > 1}):
         problems.append(f"streams read by more than one role (one durable per work queue): {shared}")
+    written = {k for r in chain for k in (r.output, *r.grants.publishes) if k is not None}
     for r in chain:
         for what, key in (("input", r.input), ("output", r.output), *(("publishes", k) for k in r.grants.publishes)):
-            if key is not None and key not in SUBJECT_KEYS:
-                problems.append(f"role {r.name}: {what} {key!r} is not a stream (streams: {', '.join(SUBJECT_KEYS)})")
+            if key is not None and not re.match(KEY_PATTERN, key):
+                problems.append(f"role {r.name}: {what} {key!r} is not a stream key ({KEY_PATTERN})")
+        if r.input is not None and r.input not in LIMITS_STREAMS and r.input not in written:
+            problems.append(f"role {r.name}: input {r.input!r} is a hop no role of the chain publishes to")
     return problems

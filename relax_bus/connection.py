@@ -13,7 +13,7 @@ import nats.errors
 from nats.aio.client import DEFAULT_INBOX_PREFIX
 from nats.aio.client import Client as NATS
 
-from relax_bus.errors import ConfigError, NatsUnreachable
+from relax_bus.errors import ConfigError, NatsRefused, NatsUnreachable
 from relax_bus.log import get_logger
 from relax_bus.outage import note_denied
 from relax_bus.settings import ConnectionSettings, redacted
@@ -158,7 +158,7 @@ async def connect(
                 user_credentials=str(settings.creds_file) if settings.creds_file else None,
                 nkeys_seed=str(settings.nkey_seed_file) if settings.nkey_seed_file else None,
                 tls=tls,
-                # Per-user reply subjects (relax_bus.auth); nats-py's _INBOX otherwise.
+                # Per-user reply subjects (relax_bus.ops.auth); nats-py's _INBOX otherwise.
                 inbox_prefix=settings.inbox_prefix or DEFAULT_INBOX_PREFIX,
             )
             nc = await asyncio.wait_for(connecting, attempt_s)
@@ -177,7 +177,7 @@ async def connect(
             # A refused login or certificate is the reason, not the reset or timeout that follows it.
             refused = [e for e in first_errors if "authorization violation" in e.lower() or "certificate" in e.lower()]
             reason = (refused or first_errors or [f"{type(err).__name__}: {err}"])[-1]
-            raise NatsUnreachable(f"cannot reach NATS at {urls} ({reason})") from None
+            raise (NatsRefused if refused else NatsUnreachable)(f"cannot reach NATS at {urls} ({reason})") from None
         holder.append(nc)
         # Connected: from now on reconnect without limit, slowly.
         nc.options["max_reconnect_attempts"] = -1

@@ -7,9 +7,12 @@ import socket
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from schemas import Message
+
+if TYPE_CHECKING:
+    from relax_bus.topology import StreamSpec
 
 In = TypeVar("In", bound=Message)
 HandlerResult = Message | Sequence[Message] | None
@@ -28,6 +31,15 @@ class Delivery:
 
 
 Handler = Callable[[In, Delivery], Awaitable[HandlerResult]]
+
+
+def foreign_subject(subject: str, stream: StreamSpec) -> str | None:
+    """Why a message delivered from `stream` is not the stream's to hand out: it was stored under another
+    subject (delivered into the stream by some other consumer), which a durable's filter should already have
+    left out (None: it is the stream's)."""
+    if subject == stream.subject:
+        return None
+    return f"message on subject {subject!r} in {stream.name}, not the hop's {stream.subject!r}"
 
 
 @dataclass

@@ -20,17 +20,7 @@ import uuid
 from collections.abc import Mapping
 
 from relax_bus.blobs import BlobStore
-from schemas import (
-    DeadLetter,
-    Message,
-    PromptGroup,
-    RolloutGroup,
-    ScoredGroup,
-    TrainGroup,
-    WeightsAnnouncement,
-    decode,
-    encode,
-)
+from schemas import Message, decode, encode
 
 MSG_ID = "Nats-Msg-Id"
 KIND = "Relax-Kind"
@@ -42,23 +32,9 @@ CLAIM_PREFIX = "claim/"
 
 
 def message_id(message: Message) -> str | None:
-    """Deterministic publish id (run/group/stage/attempt) so a republish is deduplicated by the server."""
-    if isinstance(message, PromptGroup):
-        return f"{message.run}/{message.group_id}/prompt/{message.attempt}"
-    if isinstance(message, RolloutGroup):
-        p = message.prompt
-        return f"{p.run}/{p.group_id}/rollout/{p.attempt}"
-    if isinstance(message, ScoredGroup):
-        p = message.rollout.prompt
-        return f"{p.run}/{p.group_id}/scored/{p.attempt}"
-    if isinstance(message, TrainGroup):
-        p = message.scored.rollout.prompt
-        return f"{p.run}/{p.group_id}/train/{p.attempt}"
-    if isinstance(message, WeightsAnnouncement):
-        return f"{message.run}/weights/{message.version}"
-    if isinstance(message, DeadLetter) and message.stream_seq is not None:
-        return f"{message.run}/dlq/{message.source_subject}/{message.stream_seq}"
-    return None
+    """Deterministic publish id (run/group/stage/attempt) so a republish is deduplicated by the server: what the
+    message's type defines (`Message.publish_id`)."""
+    return message.publish_id()
 
 
 async def seal(

@@ -1,8 +1,34 @@
-"""Errors of the bus layer. Each is meant to reach a person as one readable line."""
+"""Errors of the bus layer. Each is meant to reach a person as one readable line.
+
+The `relax` command turns each into `relax: error: ...` and its class's exit code, one policy for every
+command (`relax worker`, `relax init`, `relax run`, ...) and every supervisor that restarts them:
+
+- `EXIT_REFUSED` (2): the input is wrong (the config, a flag, the credentials) and running the same command
+  again fails the same way. `relax run` does not restart a role that exits with it, the Kubernetes init Job
+  fails at once (`podFailurePolicy`), compose does not start the roles after an init that exits with it.
+- `EXIT_TEMPORARY` (75, sysexits' EX_TEMPFAIL): NATS could not be reached or stayed away, or a write was not
+  confirmed, for longer than the command waits: running it again later may succeed, and supervisors do.
+"""
+
+from typing import ClassVar
+
+EXIT_REFUSED = 2
+"""Exit code of a deterministic error (config, flags, credentials): not worth a restart."""
+EXIT_TEMPORARY = 75
+"""Exit code of an error that a later attempt may not meet (an outage, an unconfirmed write)."""
 
 
 class RelaxBusError(Exception):
     """Base class of every error the bus raises on purpose."""
+
+    exit_code: ClassVar[int] = EXIT_REFUSED
+    """What the `relax` command exits with when this error ends it."""
+
+
+class TemporaryError(RelaxBusError):
+    """Base class of the errors a later attempt may not meet (they exit with `EXIT_TEMPORARY`)."""
+
+    exit_code: ClassVar[int] = EXIT_TEMPORARY
 
 
 class ConfigError(RelaxBusError):
@@ -15,11 +41,18 @@ class ConfigError(RelaxBusError):
         super().__init__(f"invalid config {source} ({len(problems)} problem(s)):\n{lines}")
 
 
-class NatsUnreachable(RelaxBusError):
+class NatsUnreachable(TemporaryError):
     """Raised when no NATS server answers at the configured URL(s)."""
 
 
-class NatsUnavailable(RelaxBusError):
+class NatsRefused(NatsUnreachable):
+    """Raised when the server answered but refused the login (authorization, TLS certificate): the credentials
+    are wrong, so it exits with `EXIT_REFUSED`."""
+
+    exit_code: ClassVar[int] = EXIT_REFUSED
+
+
+class NatsUnavailable(TemporaryError):
     """Raised when NATS stays away (restart, election) longer than a role is willing to wait."""
 
 
@@ -47,7 +80,7 @@ class ProvisionFailed(RelaxBusError):
     """Raised when the server refuses to create part of a run's topology (limits, storage, permissions)."""
 
 
-class PublishFailed(RelaxBusError):
+class PublishFailed(TemporaryError):
     """Raised when a publish got no acknowledgement within its deadline, retries included."""
 
 
@@ -59,16 +92,26 @@ class StreamFull(PublishFailed):
     """Raised when a bounded stream (discard=new) stayed full for the whole publish deadline."""
 
 
-class BlobNotFound(RelaxBusError):
+class BlobNotFound(TemporaryError):
     """Raised when a claim-check or media digest names no object in the store."""
 
 
-class BlobCorrupt(RelaxBusError):
+class BlobCorrupt(TemporaryError):
     """Raised when a fetched blob does not match its digest."""
 
 
-class VersionConflict(RelaxBusError):
+class VersionConflict(TemporaryError):
     """Raised when a compare-and-set of the policy version finds another writer got there first."""
+
+
+class CasConflict(VersionConflict):
+    """Raised when a compare-and-set of a KV counter (`relax_bus.kv_counter`) finds another writer got there first."""
+
+    def __init__(self, key: str, current: int | None = None, message: str | None = None) -> None:
+        self.key = key
+        self.current = current
+        """The value the other writer left, when the writer read it back; None otherwise."""
+        super().__init__(message or f"{key} was changed by another writer")
 
 
 class CredentialsExist(RelaxBusError):

@@ -5,7 +5,8 @@ responders", a reconnecting or closed connection, or JetStream answering 503 for
 `through_outage` retries one idempotent operation through that window and gives up with
 `NatsUnavailable` only when the outage outlasts its deadline. Operations that are not idempotent
 (a compare-and-set whose answer was lost) must resolve the ambiguity themselves; see
-`PolicyVersion.advance`.
+`relax_bus.kv_counter.KvCounter.cas`. A role reads and writes the run's state through `Bus.run_state`,
+whose methods ride through an outage themselves (`relax_bus.run_state`).
 """
 
 from __future__ import annotations

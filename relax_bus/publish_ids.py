@@ -1,8 +1,8 @@
 """Publish ids that a forged copy cannot take away from an honest publish.
 
 Every publish carries a `Nats-Msg-Id` so that JetStream stores a retried publish once. The id names
-the logical message (run/group/stage/attempt: `relax_bus.envelope.message_id`), which anyone can
-predict; a user who may write to a stream, or deliver into it through a consumer (docs/security.md),
+the logical message (run/group/stage/attempt: its type's `publish_id`, `relax_bus.envelope.message_id`), which
+anyone can predict; a user who may write to a stream, or deliver into it through a consumer (docs/security.md),
 could store a copy under that id first, and the server would then answer the honest publish with
 `duplicate` and drop it. Two defences, both applied by `relax_bus.publisher`:
 

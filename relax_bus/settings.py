@@ -17,7 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from typing_extensions import TypeVar
 
-from relax_bus.chain import Role, chain_problems
+from relax_bus.chain import Role, chain_problems, hop_keys
 from relax_bus.errors import ConfigError
 
 RUN_ID = r"^[A-Za-z0-9_-]{1,48}$"
@@ -253,6 +253,7 @@ class RunConfig(BaseModel):
             "bus.media_max_age_s",
             "bus.weights_keep",
             "bus.weights_max_bytes",
+            "hops",  # derived, like chain; a run initialised before hops were stored has none
         }
     )
     """Dotted settings an existing run may change on a second `relax init`; anything else is refused."""
@@ -268,6 +269,9 @@ class RunConfig(BaseModel):
     """How far rollouts may lag behind the trainer."""
     bus: BusConfig = Field(default_factory=BusConfig)
     """Limits of the run's streams, consumers and stores."""
+    hops: tuple[str, ...] = ()
+    """Work-queue streams the run has besides the keys its chain passes along (those of the roles a run may
+    leave out). Filled in from the role registry, with `chain`; not written by hand."""
     chain: tuple[Role, ...] = ()
     """The roles and the hops they read and write, in order. Filled in from the role registry of the
     process that loads the config (`relax config show` prints it); not written by hand."""
@@ -284,9 +288,14 @@ class RunConfig(BaseModel):
                 f"bus.max_ack_pending ({self.bus.max_ack_pending}) is smaller than groups_per_step "
                 f"({self.groups_per_step}): the trainer holds a whole step unacked, so it would wait forever"
             )
-        if problems := chain_problems(self.chain):
+        if problems := chain_problems(self.chain, self.hops):
             raise ValueError("chain: " + "; ".join(problems))
         return self
+
+    def hop_keys(self) -> tuple[str, ...]:
+        """The run's work-queue streams (hops), by key: `hops`, then every other key a role of the chain passes
+        along (`relax_bus.chain.hop_keys`)."""
+        return hop_keys(self.chain, declared=self.hops)
 
     @classmethod
     def from_stored(cls: type[C], data: dict[str, Any]) -> C:

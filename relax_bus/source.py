@@ -5,8 +5,9 @@ empty list (nothing yet), or None (the source is done). The bus publishes them, 
 message ids, so a batch whose acks were lost is published again with the same ids and stored once;
 then it calls `published(batch)` (the role's own bookkeeping, such as a cursor). When nothing was
 produced, or the output hop is full, it waits for the role's `wake` event (set by a KV watch, say)
-or `poll_s`, whichever comes first. It keeps a heartbeat, and stops on `stop()` (what SIGTERM does), at
-once even while a publish waits for room in a full hop.
+or `poll_s`, whichever comes first. It keeps a heartbeat, and stops on `stop()` (what SIGTERM does, or the
+role's stop event given to `run`), at once even while a publish waits for room in a full hop; the heartbeat and
+the stop come from the loop base (`relax_bus.loop`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from relax_bus.bus import Bus
 from relax_bus.cancel import cancel_and_wait
 from relax_bus.delivery import Counters, WorkerOptions
 from relax_bus.errors import PublishFailed
-from relax_bus.heartbeat import HeartbeatWriter, process_heartbeat
 from relax_bus.log import get_logger
-from schemas import Message, WorkerHeartbeat
+from relax_bus.loop import Loop
+from schemas import Message
 
 log = get_logger(__name__)
 
@@ -40,7 +41,7 @@ class SourceRole(Protocol):
         """Called once `batch` (what `produce` returned) is stored in the output stream."""
 
 
-class Source:
+class Source(Loop):
     """Runs a `SourceRole` for one role of a run."""
 
     def __init__(
@@ -52,43 +53,24 @@ class Source:
         poll_s: float = 0.2,
         publish_deadline_s: float = 30.0,
     ) -> None:
-        self.bus = bus
+        super().__init__(bus, role, options)
         self.role = bus.topology.role(role)
         if self.role.output is None or self.role.input is not None:
             raise ValueError(f"role {role!r} is not a source (it must publish and consume nothing)")
         self.subject = bus.topology.subject(self.role.output)
         self.source_role = source_role
-        self.options = options or WorkerOptions()
         self.poll_s = poll_s
         self.publish_deadline_s = publish_deadline_s
-        self.counters = Counters()
-        self.policy_version: int | None = None
-        self._stop = asyncio.Event()
-        self.heartbeat = HeartbeatWriter(
-            bus.workers, f"{self.role.name}.{self.options.worker_id}", self._beat, bus.config.bus.heartbeat_ttl_s / 3
-        )
-        self._started_at = 0.0
 
     def stop(self) -> None:
         """Stop producing; a publish in flight is abandoned (its ids deduplicate it when published again)."""
-        self._stop.set()
+        super().stop()
 
-    def _beat(self) -> WorkerHeartbeat:
-        counters = asdict(self.counters)
-        return process_heartbeat(
-            self.bus.run, self.role.name, self.options.worker_id, self._started_at, self.policy_version, counters
-        )
-
-    async def run(self) -> Counters:
-        """Produce and publish until the role is done or stopped."""
-        import time
-
-        self._started_at = time.time()
-        if not self.heartbeat.running:
-            await self.heartbeat.beat()
-            self.heartbeat.start()
-        log.info("source_started", role=self.role.name, worker=self.options.worker_id, subject=self.subject)
-        try:
+    async def run(self, *, stop: asyncio.Event | None = None, handle_signals: bool = False) -> Counters:
+        """Produce and publish until the role is done or stopped (`stop()`, `stop` set, a signal with
+        `handle_signals`)."""
+        async with self.running(stop=stop, handle_signals=handle_signals):
+            log.info("source_started", role=self.role.name, worker=self.worker_id, subject=self.subject)
             while not self._stop.is_set():
                 batch = await self.source_role.produce()
                 if batch is None:
@@ -107,8 +89,6 @@ class Source:
                     continue
                 self.counters.published += len(batch)
                 await self.source_role.published(batch)
-        finally:
-            await self.heartbeat.stop(remove=True)
         log.info("source_stopped", role=self.role.name, **asdict(self.counters))
         return self.counters
 

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
+POLICY_VERSION = "policy.version"
+"""The key of the run's state bucket that holds `v` (written by the trainer: `relax_bus.policy_version`)."""
+
 
 class Verdict(StrEnum):
     """What happens to a group at the trainer."""

@@ -3,9 +3,10 @@
 Nothing else in the code base builds a subject, stream, bucket or consumer name by hand: it asks
 the `Topology` of its run. `relax_bus.provision` applies it to a server idempotently.
 
-    relax.<run>.prompts   work queue   hand-off between stages; one durable consumer per stream,
-    relax.<run>.rollouts  work queue   named after the role that reads it (the run's `chain`,
-    relax.<run>.scored    work queue   `relax_bus.chain`, says which role reads and writes which)
+    relax.<run>.<hop>     work queue   hand-off between stages, one per key the run's roles pass along (the
+                                       run's `chain`, `relax_bus.chain.hop_keys`: prompts, rollouts, scored
+                                       in the pipeline); one durable consumer per stream, named after the
+                                       role that reads it
     relax.<run>.train     limits       the trainer's input, kept for replay
     relax.<run>.dlq       limits       any role: messages the bus gave up on, with the reason
     relax.<run>.events    limits       any role: run events and step metrics
@@ -23,10 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from relax_bus.chain import HOPS, SUBJECT_KEYS, Role
+from relax_bus.chain import Role
 from relax_bus.settings import RunConfig
 
-__all__ = ["HOPS", "SUBJECT_KEYS", "Role", "Topology", "build_topology", "state_bucket"]
+__all__ = ["Role", "Topology", "build_topology", "state_bucket"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,11 @@ class Topology:
     buckets: tuple[BucketSpec, ...]
     object_stores: tuple[ObjectStoreSpec, ...]
     roles: tuple[Role, ...]
+
+    @property
+    def subject_keys(self) -> tuple[str, ...]:
+        """Every stream of the run, by key: the hops, then the limits streams."""
+        return tuple(s.key for s in self.streams)
 
     def subject(self, key: str) -> str:
         return self.stream(key).subject
@@ -174,7 +180,7 @@ def build_topology(config: RunConfig) -> Topology:
         max_msgs=bus.hop_max_msgs, max_bytes=bus.hop_max_bytes, discard="new", bytes_setting="bus.hop_max_bytes"
     )
     streams = (
-        *(stream(k, "workqueue", **hop_limits) for k in HOPS),  # type: ignore[arg-type]
+        *(stream(k, "workqueue", **hop_limits) for k in config.hop_keys()),  # type: ignore[arg-type]
         stream("train", "limits", max_age_s=bus.train_max_age_s, max_bytes=bus.train_max_bytes),
         stream("dlq", "limits", max_age_s=bus.dlq_max_age_s, max_bytes=bus.dlq_max_bytes),
         stream("events", "limits", max_msgs=bus.events_max_msgs, max_bytes=bus.events_max_bytes),

@@ -5,7 +5,9 @@ Fetch in batches from the role's durable consumer, resolve claim checks, decode,
 role's output subject, then ack. Control exceptions (`relax_bus.control`) and failures are mapped
 to nak / term / dead letter in `_settle`, the one place that decides; an output hop that is full
 holds the input in progress until the publish fits (back-pressure, never a failure). SIGTERM stops fetching,
-lets in-flight handlers finish within a grace period (naks the rest) and drains the connection.
+lets in-flight handlers finish within a grace period (naks the rest) and drains the connection. The heartbeat,
+`stop()`, signals and running until the role's stop event is set come from the loop base (`relax_bus.loop`),
+which the batch shape (`relax_bus.batch_worker`) shares through this class.
 """
 
 from __future__ import annotations
@@ -13,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import signal
-import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import asdict
 from typing import Generic, cast
@@ -27,21 +27,21 @@ from nats.js import JetStreamContext
 from relax_bus.bus import Bus
 from relax_bus.cancel import cancel_and_wait
 from relax_bus.control import Drop, Reject, Retry, Skip
-from relax_bus.delivery import Counters, Delivery, Handler, HandlerResult, In, WorkerOptions
+from relax_bus.delivery import Counters, Delivery, Handler, HandlerResult, In, WorkerOptions, foreign_subject
 from relax_bus.envelope import open_message
 from relax_bus.errors import BlobCorrupt, BlobNotFound, StreamFull
 from relax_bus.fetch import fetch_at_most
-from relax_bus.heartbeat import HeartbeatWriter, process_heartbeat
 from relax_bus.log import get_logger
+from relax_bus.loop import Loop
 from relax_bus.settle import ack, dead_letter, term
-from schemas import DeadLetter, Message, RunEvent, SchemaError, WorkerHeartbeat
+from schemas import GROUP_MESSAGES, DeadLetter, Message, RunEvent, SchemaError
 
 __all__ = ["Counters", "Delivery", "Handler", "HandlerResult", "Worker", "WorkerOptions"]
 
 log = get_logger(__name__)
 
 
-class Worker(Generic[In]):
+class Worker(Loop, Generic[In]):
     """Runs one role's handler against the run's bus."""
 
     def __init__(
@@ -52,58 +52,27 @@ class Worker(Generic[In]):
         input_type: type[In],
         options: WorkerOptions | None = None,
     ) -> None:
-        self.bus = bus
+        super().__init__(bus, role, options)
         self.role = bus.topology.role(role)
         if self.role.input is None:
             raise ValueError(f"role {role!r} consumes nothing; it needs its own loop, not a Worker")
         self.handler = handler
         self.input_type = input_type
-        self.options = options or WorkerOptions()
-        self.counters = Counters()
-        self.policy_version: int | None = None
         self.stream = bus.topology.stream(self.role.input)
         self.consumer = bus.topology.consumer(self.role.input)
         # A settled work-queue message is gone from its stream, so its claim object can go too (`relax_bus.settle`);
         # the train stream keeps its messages (and so their objects) for replay.
         self.releases_claims = self.stream.retention == "workqueue"
-        self.started_at = time.time()
-        self._stop = asyncio.Event()
         # Message size estimate that sizes each pull: rises at once to any bigger message, decays slowly,
         # and starts high so the first pull of an unknown stream stays small in bytes.
         self._avg_size = 256 * 1024.0
         self._working: dict[int, Msg] = {}  # id(message) -> message, from delivery until it is settled
-        self.heartbeat = HeartbeatWriter(
-            bus.workers,
-            f"{self.role.name}.{self.options.worker_id}",
-            self._heartbeat,
-            interval_s=bus.config.bus.heartbeat_ttl_s / 3,
-        )
-
-    @property
-    def worker_id(self) -> str:
-        return self.options.worker_id
-
-    def stop(self) -> None:
-        """Ask the loop to stop fetching and wind down (what SIGTERM does)."""
-        self._stop.set()
-
-    def _heartbeat(self) -> WorkerHeartbeat:
-        return process_heartbeat(
-            self.bus.run, self.role.name, self.worker_id, self.started_at, self.policy_version, asdict(self.counters)
-        )
 
     @contextlib.asynccontextmanager
-    async def _running(self, handle_signals: bool = False) -> AsyncIterator[JetStreamContext.PullSubscription]:
-        """The loop's surroundings, whatever its shape: the subscription, the heartbeat, the keep-alive of
-        unsettled messages, the reaper of messages nobody settled (roles granted it), signals, logs."""
-        loop = asyncio.get_running_loop()
-        if handle_signals:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self.stop)
+    async def _consuming(self) -> AsyncIterator[JetStreamContext.PullSubscription]:
+        """The consuming loop's surroundings, whatever its shape: the subscription, the keep-alive of
+        unsettled messages, the reaper of messages nobody settled (roles granted it), logs."""
         sub = await self.bus.js.pull_subscribe_bind(self.consumer.durable, self.stream.name)
-        if not self.heartbeat.running:
-            await self.heartbeat.beat()
-            self.heartbeat.start()
         keepalive = asyncio.create_task(self._keep_alive(), name="keepalive")
         reaper = None
         if self.role.grants.reaps:
@@ -123,15 +92,14 @@ class Worker(Generic[In]):
                 await sub.unsubscribe()
             except nats.errors.Error:
                 pass  # tolerated: the subscription died with the connection
-            await self.heartbeat.stop(remove=True)
-            if handle_signals:
-                for sig in (signal.SIGTERM, signal.SIGINT):
-                    loop.remove_signal_handler(sig)
             log.info("worker_stopped", role=self.role.name, worker=self.worker_id, **asdict(self.counters))
 
-    async def run(self, *, until_empty: bool = False, handle_signals: bool = False) -> Counters:
-        """Consume until stopped (or, with `until_empty`, until the input has nothing pending)."""
-        async with self._running(handle_signals) as sub:
+    async def run(
+        self, *, until_empty: bool = False, stop: asyncio.Event | None = None, handle_signals: bool = False
+    ) -> Counters:
+        """Consume until stopped (`stop()`, `stop` set, a signal with `handle_signals`) or, with `until_empty`,
+        until the input has nothing pending."""
+        async with self.running(stop=stop, handle_signals=handle_signals), self._consuming() as sub:
             await self._consume(sub, until_empty)
         return self.counters
 
@@ -196,20 +164,24 @@ class Worker(Generic[In]):
             self._working.pop(id(msg), None)
 
     def _foreign(self, msg: Msg) -> str | None:
-        """Why a message is not this hop's to handle: it was stored under another subject (delivered into the
-        stream by some other consumer), which the durable's filter should already have left out."""
-        if msg.subject == self.stream.subject:
-            return None
-        return f"message on subject {msg.subject!r} in {self.stream.name}, not the hop's {self.stream.subject!r}"
+        """Why a message is not this hop's to handle (`relax_bus.delivery.foreign_subject`)."""
+        return foreign_subject(msg.subject, self.stream)
 
-    async def _decode_and_handle(self, msg: Msg, delivery: Delivery) -> None:
+    async def _decode(self, msg: Msg, delivery: Delivery) -> In | None:
+        """The delivered message decoded (claim check resolved); None when it was dead-lettered instead: stored
+        under a foreign subject, or undecodable."""
         if (foreign := self._foreign(msg)) is not None:
             await self._dead_letter(msg, delivery, foreign)
-            return
+            return None
         try:
-            message = cast(In, await open_message(msg.data, msg.headers, self.bus.media, self.input_type))
+            return cast(In, await open_message(msg.data, msg.headers, self.bus.media, self.input_type))
         except (SchemaError, BlobNotFound, BlobCorrupt) as err:
             await self._dead_letter(msg, delivery, f"undecodable {self.stream.key} message: {err}")
+            return None
+
+    async def _decode_and_handle(self, msg: Msg, delivery: Delivery) -> None:
+        message = await self._decode(msg, delivery)
+        if message is None:
             return
         try:
             outputs = _as_list(await self.handler(message, delivery))
@@ -255,7 +227,7 @@ class Worker(Generic[In]):
                 "info",
                 reason=err.reason,
                 seq=delivery.stream_seq,
-                group_id=_group_id(message),
+                group_id=message.group_id if isinstance(message, GROUP_MESSAGES) else None,
             )
             log.info("message_dropped", role=self.role.name, reason=err.reason, seq=delivery.stream_seq)
         elif isinstance(err, Reject):
@@ -360,16 +332,6 @@ def _as_list(result: HandlerResult) -> list[Message]:
     if isinstance(result, Message):
         return [result]
     return list(result)
-
-
-def _group_id(message: Message) -> str | None:
-    for path in ("group_id", "prompt", "rollout", "scored"):
-        value = getattr(message, path, None)
-        if isinstance(value, str):
-            return value
-        if isinstance(value, Message):
-            return _group_id(value)
-    return None
 
 
 async def quietly(aw: Awaitable[object]) -> None:

@@ -10,10 +10,12 @@ from schemas.errors import (
     UnknownSchemaVersion,
 )
 from schemas.messages import (
+    GROUP_MESSAGES,
     MESSAGE_TYPES,
     SCHEMA_VERSION,
     ChatTurn,
     DeadLetter,
+    GroupMessage,
     Message,
     Metric,
     PromptGroup,
@@ -31,11 +33,13 @@ from schemas.parts import AudioPart, ImagePart, MediaRef, Part, TextPart, VideoP
 from schemas.tensor import WireTensor
 
 __all__ = [
+    "GROUP_MESSAGES",
     "MESSAGE_TYPES",
     "SCHEMA_VERSION",
     "AudioPart",
     "ChatTurn",
     "DeadLetter",
+    "GroupMessage",
     "ImagePart",
     "InvalidMessage",
     "MalformedPayload",

@@ -13,7 +13,7 @@ a major bump.
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, ClassVar, Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -28,13 +28,34 @@ Scalar = str | int | float | bool | None
 
 
 class Message(BaseModel):
-    """Base of every bus message."""
+    """Base of every bus message.
+
+    Every message type says how the server deduplicates it: it defines `publish_id` (the deterministic
+    `Nats-Msg-Id` of a publish), or it sets `deduplicated = False` (every publish is stored). A type that
+    does neither is refused when it is defined, so a new type cannot go without deduplication unnoticed.
+    """
 
     # extra="ignore": a newer minor version may add fields an older reader does not know.
     model_config = ConfigDict(frozen=True, extra="ignore")
 
+    deduplicated: ClassVar[bool] = True
+    """False for a type whose publishes carry no id: the server stores every copy."""
+
     schema_version: str = Field(default=SCHEMA_VERSION, pattern=r"^\d+\.\d+$")
     """`MAJOR.MINOR` of the schema the producer wrote."""
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        if cls.deduplicated and cls.publish_id is Message.publish_id:
+            raise TypeError(
+                f"message type {cls.__name__} defines no publish_id(): define one (the server deduplicates a "
+                "republish by it) or set `deduplicated = False`"
+            )
+
+    def publish_id(self) -> str | None:
+        """The deterministic publish id (`Nats-Msg-Id`) of this message; None when it carries none."""
+        return None
 
 
 class ChatTurn(BaseModel):
@@ -76,6 +97,15 @@ class PromptGroup(Message):
     """Task name, used to pick the reward function."""
     metadata: dict[str, Scalar] = Field(default_factory=dict)
     """Free-form scalars carried along to the trainer's records."""
+
+    @property
+    def prompt(self) -> PromptGroup:
+        """The prompt group itself (every stage of a group exposes the prompt it carries)."""
+        return self
+
+    def publish_id(self) -> str:
+        """`<run>/<group>/prompt/<attempt>`."""
+        return f"{self.run}/{self.group_id}/prompt/{self.attempt}"
 
 
 class Sample(BaseModel):
@@ -148,6 +178,14 @@ class RolloutGroup(Message):
     timings: RolloutTimings = Field(default_factory=RolloutTimings)
 
     @property
+    def group_id(self) -> str:
+        return self.prompt.group_id
+
+    def publish_id(self) -> str:
+        """`<run>/<group>/rollout/<attempt>`."""
+        return _stage_id(self.prompt, "rollout")
+
+    @property
     def newest_version(self) -> int:
         """The newest version among the samples' tokens (the group's version when no sample has spans)."""
         return max((v for s in self.samples for v, _ in s.version_spans), default=self.policy_version)
@@ -203,6 +241,18 @@ class ScoredGroup(Message):
     worker_id: str = ""
     """Reward worker that scored it."""
 
+    @property
+    def prompt(self) -> PromptGroup:
+        return self.rollout.prompt
+
+    @property
+    def group_id(self) -> str:
+        return self.prompt.group_id
+
+    def publish_id(self) -> str:
+        """`<run>/<group>/scored/<attempt>`."""
+        return _stage_id(self.prompt, "scored")
+
     @model_validator(mode="after")
     def _one_per_sample(self) -> ScoredGroup:
         n = len(self.rollout.samples)
@@ -229,12 +279,36 @@ class TrainGroup(Message):
         return self
 
     @property
+    def prompt(self) -> PromptGroup:
+        return self.scored.prompt
+
+    @property
     def group_id(self) -> str:
-        return self.scored.rollout.prompt.group_id
+        return self.scored.group_id
 
     @property
     def policy_version(self) -> int:
         return self.scored.rollout.policy_version
+
+    def publish_id(self) -> str:
+        """`<run>/<group>/train/<attempt>`."""
+        return _stage_id(self.prompt, "train")
+
+
+def _stage_id(prompt: PromptGroup, stage: str) -> str:
+    """The publish id of a group at `stage`: run, group and attempt of the prompt it carries."""
+    return f"{prompt.run}/{prompt.group_id}/{stage}/{prompt.attempt}"
+
+
+GroupMessage: TypeAlias = PromptGroup | RolloutGroup | ScoredGroup | TrainGroup
+"""A message about one GRPO group, at any stage: each has `.prompt` and `.group_id`."""
+GROUP_MESSAGES: tuple[type[PromptGroup], type[RolloutGroup], type[ScoredGroup], type[TrainGroup]] = (
+    PromptGroup,
+    RolloutGroup,
+    ScoredGroup,
+    TrainGroup,
+)
+"""The group message types, for `isinstance`."""
 
 
 class WeightsAnnouncement(Message):
@@ -257,11 +331,16 @@ class WeightsAnnouncement(Message):
     """Trainer step that produced them."""
     created_at: float = Field(default_factory=time.time)
 
+    def publish_id(self) -> str:
+        """`<run>/weights/<version>`."""
+        return f"{self.run}/weights/{self.version}"
+
 
 class WorkerHeartbeat(Message):
     """A worker's own liveness record, rewritten every few seconds into a TTL bucket."""
 
     kind: Literal["heartbeat"] = "heartbeat"
+    deduplicated: ClassVar[bool] = False  # a KV value, rewritten in place
     run: str = Field(pattern=_ID)
     role: str
     worker_id: str
@@ -279,6 +358,7 @@ class RunEvent(Message):
     """Something that happened in a run, for people and dashboards."""
 
     kind: Literal["event"] = "event"
+    deduplicated: ClassVar[bool] = False  # each event is news of its own
     run: str = Field(pattern=_ID)
     event: str
     """Event name, e.g. group_dropped, worker_started."""
@@ -293,6 +373,7 @@ class Metric(Message):
     """Scalar metrics of one training step."""
 
     kind: Literal["metric"] = "metric"
+    deduplicated: ClassVar[bool] = False  # each record is stored as published
     run: str = Field(pattern=_ID)
     step: int = Field(ge=0)
     values: dict[str, float]
@@ -318,6 +399,12 @@ class DeadLetter(Message):
     payload: bytes = b""
     """The original payload."""
     at: float = Field(default_factory=time.time)
+
+    def publish_id(self) -> str | None:
+        """`<run>/dlq/<source subject>/<stream seq>`; None for a letter that names no sequence."""
+        if self.stream_seq is None:
+            return None
+        return f"{self.run}/dlq/{self.source_subject}/{self.stream_seq}"
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {

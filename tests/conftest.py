@@ -20,8 +20,8 @@ from relax_bus import log
 from relax_bus.bus import Bus
 from relax_bus.connection import connect
 from relax_bus.errors import NatsServerNotFound
+from relax_bus.ops.server import EmbeddedServer
 from relax_bus.provision import delete_run, provision
-from relax_bus.server import EmbeddedServer
 from relax_bus.settings import ConnectionSettings
 from tests.nats_cluster import NatsCluster
 from workers.config import PipelineConfig, parse_config
@@ -29,7 +29,17 @@ from workers.config import PipelineConfig, parse_config
 log.configure("info", json=False)
 
 REQUIRE_NATS = os.environ.get("CI", "").lower() == "true" or os.environ.get("RELAX_REQUIRE_NATS") == "1"
-TIERS = ("unit", "bus", "cli", "workers", "e2e", "chaos", "compose", "containers")  # a test without one is `unit`
+TIERS = (
+    "unit",
+    "bus",
+    "cli",
+    "workers",
+    "deploy",
+    "e2e",
+    "chaos",
+    "compose",
+    "containers",
+)  # a test without one is `unit`
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker

@@ -1,7 +1,7 @@
 """A three-server JetStream cluster as local processes on loopback ports (routes between them).
 
 With `route_auth` (user, password) the route listeners require those credentials and each server
-dials the others with them: the configs come from `relax_bus.server_conf.cluster_conf`, as
+dials the others with them: the configs come from `relax_bus.ops.server_conf.cluster_conf`, as
 `relax auth --cluster-routes` writes them.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from relax_bus.server import EmbeddedServer, free_port
-from relax_bus.server_conf import Cluster, cluster_conf
+from relax_bus.ops.server import EmbeddedServer, free_port
+from relax_bus.ops.server_conf import Cluster, cluster_conf
 
 CLUSTER_NAME = "relax"
 

@@ -1,10 +1,11 @@
-"""The `relax` command: the bus's commands (`relax_bus.cli`) plus the roles' and the trainer's.
+"""The `relax` command: the bus's commands (`relax_bus.ops.cli`) plus the roles' and the trainer's.
 
     relax server | init | inspect | auth     the bus (run configs are read as the pipeline's)
     relax worker ROLE --run RUN               one role of an initialised run (roles: the registry's)
     relax run CONFIG [section.key=value ...]  a whole run on this machine (overrides validated with CONFIG)
     relax replay RUN --step N                 recompute one step from its checkpoint
     relax config show CONFIG [k=v ...]        the effective config, defaults and chain included
+    relax config check CONFIG [k=v ...]       the config, and whether its model, task, rewards and engine work here
     relax decode                              a message body (msgpack) from stdin as JSON
     relax --version                           this package's version and the pinned nats-server's
     relax model import-gguf [GGUF] --out DIR  a GGUF file (default: SmolLM2-135M-Instruct) as an HF directory
@@ -25,19 +26,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from relax_bus.cli import (
+from relax_bus.errors import ConfigError
+from relax_bus.ops.arguments import (
     CONFIG_HELP,
     LOG_LEVELS,
     Command,
-    build_parser,
     config_with_overrides,
     connection_settings,
     with_nats,
     with_overrides,
 )
-from relax_bus.cli import main as bus_main
-from relax_bus.errors import ConfigError
-from workers.roles.registry import ROLE_NAMES
+from relax_bus.ops.cli import build_parser
+from relax_bus.ops.cli import main as bus_main
+from workers.role_registry import ROLE_NAMES
 
 if TYPE_CHECKING:
     from relax_bus.settings import RunConfig
@@ -89,6 +90,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     with_overrides(show)
     show.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+    check = c_sub.add_parser(
+        "check", help="validate CONFIG and check that its model, task, rewards and engine can be used here"
+    )
+    check.add_argument("config", help=CONFIG_HELP)
+    with_overrides(check)
 
     m = sub.add_parser("model", help="prepare model directories")
     m_sub = m.add_subparsers(dest="model_command", required=True, metavar="ACTION")
@@ -183,6 +189,11 @@ def _config(args: argparse.Namespace, config_model: type[RunConfig]) -> int:
     from workers.config import PipelineConfig
 
     config = config_with_overrides(args, PipelineConfig)
+    if args.config_command == "check":
+        _preflight(config)  # ConfigError: every problem, exit 2
+        roles = ", ".join(r.name for r in config.chain)
+        print(f"config ok: run {config.run}, model {config.model.source}, task {config.task.type}, roles {roles}")
+        return 0
     data = config.model_dump(mode="json")
     data["chain"] = data.pop("chain")  # derived from the rest: shown last
     print(json.dumps(data, indent=2) if args.json else yaml.safe_dump(data, sort_keys=False), end="")
@@ -227,8 +238,17 @@ def _pipeline_config() -> type[PipelineConfig]:
     return PipelineConfig
 
 
+def _preflight(config: RunConfig) -> None:
+    """The pre-start check of `relax init` and `relax config check` (`workers.preflight`; imported when used)."""
+    from workers.config import PipelineConfig
+    from workers.preflight import check_config
+
+    assert isinstance(config, PipelineConfig), "the relax command reads run configs as PipelineConfig"
+    check_config(config)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    return bus_main(argv, parser=_parser(), commands=COMMANDS, config_model=_pipeline_config)
+    return bus_main(argv, parser=_parser(), commands=COMMANDS, config_model=_pipeline_config, preflight=_preflight)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,15 @@
 """Errors of the roles and the launcher."""
 
-from relax_bus.errors import RelaxBusError
+from relax_bus.errors import RelaxBusError, TemporaryError
 
 
 class RunFailed(RelaxBusError):
     """Raised by `relax run` when a role keeps dying (more restarts than the launcher allows)."""
+
+
+class RoleRefused(RunFailed):
+    """Raised by `relax run` when a role exits with `EXIT_REFUSED` (its config cannot work here): the run ends
+    at once with the role's reason, since a restart would fail the same way."""
 
 
 class RoleNotInRun(RelaxBusError):
@@ -24,11 +29,11 @@ class CheckpointRefused(RelaxBusError):
     sharded one misses a part: it is not loaded, and nothing in it runs."""
 
 
-class CheckpointWriteFailed(RelaxBusError):
+class CheckpointWriteFailed(TemporaryError):
     """Raised when a rank could not write its shards of a sharded checkpoint (`trainer.checkpoint_dir`): the
     checkpoint is not recorded, and the actor fails as after any crash."""
 
 
-class WeightsBaseMismatch(RelaxBusError):
+class WeightsBaseMismatch(TemporaryError):
     """Raised when a delta weights version cannot be rebuilt: a tensor left to v0 that this reader's v0 does not
-    match, or a tensor whose bytes do not match the version's manifest (`workers.weights_wire`)."""
+    match, or a tensor whose bytes do not match the version's manifest (`workers.weights.wire`)."""

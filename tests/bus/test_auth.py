@@ -1,4 +1,4 @@
-"""Per-role credentials (`relax_bus.auth`) against a real nats-server started from the generated config.
+"""Per-role credentials (`relax_bus.ops.auth`) against a real nats-server started from the generated config.
 
 A permission violation reaches a client only as a timeout plus an error callback, so every
 connection here records its errors: allowed work must leave none, refused work must leave exactly
@@ -13,6 +13,7 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import nats
@@ -21,21 +22,20 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from relax_bus import blobs
-from relax_bus.auth import permissions
 from relax_bus.blobs import BlobStore
 from relax_bus.bus import Bus
 from relax_bus.connection import connect
-from relax_bus.credentials import Bundle, write_bundle
 from relax_bus.errors import CredentialsExist, NatsServerNotFound, NatsUnreachable, PermissionDenied, PublishFailed
 from relax_bus.heartbeat import live_workers
-from relax_bus.inspect import gather
+from relax_bus.ops.auth import permissions
+from relax_bus.ops.credentials import Bundle, write_bundle
+from relax_bus.ops.run_report import gather
+from relax_bus.ops.server import EmbeddedServer
 from relax_bus.outage import through_outage
+from relax_bus.policy_version import VersionTracker
 from relax_bus.provision import provision
-from relax_bus.server import EmbeddedServer
 from relax_bus.settings import ConnectionSettings
-from relax_bus.state_keys import FEEDER_CURSOR, POLICY_VERSION, TRAINER_DONE, TRAINER_STEP
 from relax_bus.topology import build_topology
-from relax_bus.version import VersionTracker
 from relax_bus.worker import Delivery, Worker, WorkerOptions
 from schemas import PromptGroup, RolloutGroup
 from tests import factories as f
@@ -43,6 +43,7 @@ from tests.bus.test_publish import read_all
 from tests.conftest import REQUIRE_NATS, run_config
 from tests.waiting import until
 from workers.config import PipelineConfig
+from workers.state_keys import FEEDER_CURSOR, POLICY_VERSION, TRAINER_DONE, TRAINER_STEP
 
 pytestmark = pytest.mark.bus
 
@@ -273,17 +274,17 @@ class FakeTrainer:
     """The actor's trainer interface without a model: a counter for weights, JSON for checkpoints."""
 
     vocab_size = 1 << 20  # the fake rollouts' token ids are all inside it
+    cfg = SimpleNamespace(warmup=SimpleNamespace(max_steps=0))  # `run_warmup`: no warm-up
+    tokenizer = None
 
     def __init__(self) -> None:
         self.steps = 0
+        self.checkpoints = FakeCheckpoints(self)
 
     def untrainable(self, group: Any) -> str | None:
         from workers.training.batch import untrainable
 
         return untrainable(group, self.vocab_size)
-
-    def warmup(self, items: list[Any]) -> dict[str, float]:
-        return {"warmup_steps": 0.0, "warmup_accuracy": 0.0}
 
     def step(self, groups: list[Any], version: int | None = None, media: Any = None) -> dict[str, float]:
         self.steps += 1
@@ -298,18 +299,25 @@ class FakeTrainer:
     def load_full(self, state: dict[str, Any]) -> None:
         self.steps = int(state["w"][0])
 
-    def checkpoint_bytes(self, extra: dict[str, Any]) -> bytes:
-        return self.serialize_checkpoint(self.checkpoint_state(extra))
 
-    def checkpoint_state(self, extra: dict[str, Any]) -> dict[str, Any]:
-        return {"steps": self.steps, "extra": dict(extra)}
+class FakeCheckpoints:
+    """`TrainerCheckpoints` of a FakeTrainer: its counter and the extra as JSON."""
 
-    def serialize_checkpoint(self, state: dict[str, Any]) -> bytes:
+    def __init__(self, trainer: FakeTrainer) -> None:
+        self.trainer = trainer
+
+    def to_bytes(self, extra: dict[str, Any]) -> bytes:
+        return self.serialize(self.state(extra))
+
+    def state(self, extra: dict[str, Any]) -> dict[str, Any]:
+        return {"steps": self.trainer.steps, "extra": dict(extra)}
+
+    def serialize(self, state: dict[str, Any]) -> bytes:
         return json.dumps(state).encode()
 
     def restore(self, data: bytes) -> dict[str, Any]:
         saved = json.loads(data)
-        self.steps = saved["steps"]
+        self.trainer.steps = saved["steps"]
         return dict(saved["extra"])
 
 

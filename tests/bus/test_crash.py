@@ -5,13 +5,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.bus.test_publish import read_all
 from tests.bus.test_worker import consumer_state, echo, publish_prompts, rollout_worker
+from tests.waiting import until
 
 pytestmark = pytest.mark.bus
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,16 +34,16 @@ def start_worker(nats_server, run, log, **opts):
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def wait_for_lines(log: Path, prefix: str, n: int, proc, timeout=20.0) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        lines = [ln for ln in (log.read_text().splitlines() if log.exists() else []) if ln.startswith(prefix)]
-        if len(lines) >= n:
-            return lines
-        if proc.poll() is not None:
+async def wait_for_lines(log: Path, prefix: str, n: int, proc, timeout_s=20.0) -> list[str]:
+    """The log's lines starting with `prefix`, once there are `n`; fails at once when the worker exited short."""
+
+    def lines() -> list[str]:
+        found = [ln for ln in (log.read_text().splitlines() if log.exists() else []) if ln.startswith(prefix)]
+        if len(found) < n and proc.poll() is not None:
             raise AssertionError(f"worker exited early ({proc.returncode}): {proc.stderr.read().decode()[-2000:]}")
-        time.sleep(0.05)
-    raise AssertionError(f"fewer than {n} '{prefix}' lines in {log} after {timeout}s")
+        return found
+
+    return await until(lines, lambda found: len(found) >= n, timeout_s, what=f"{n} '{prefix}' lines in {log}")
 
 
 def stop(proc):
@@ -58,7 +58,7 @@ async def test_sigkill_with_messages_in_flight_loses_nothing(make_bus, nats_serv
     log = tmp_path / "a.log"
     victim = start_worker(nats_server, bus.run, log, sleep=60, concurrency=4)
     try:
-        wait_for_lines(log, "start", 4, victim)
+        await wait_for_lines(log, "start", 4, victim)
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(timeout=10)
     finally:
@@ -81,12 +81,12 @@ async def test_sigterm_finishes_in_flight_work_and_exits_zero(make_bus, nats_ser
     log = tmp_path / "b.log"
     proc = start_worker(nats_server, bus.run, log, sleep=1.5, concurrency=3)
     try:
-        wait_for_lines(log, "start", 3, proc)
+        await wait_for_lines(log, "start", 3, proc)
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     finally:
         stop(proc)
-    assert len(wait_for_lines(log, "done", 3, proc)) == 3
+    assert len(await wait_for_lines(log, "done", 3, proc)) == 3
     assert sorted(o.prompt.group_id for o in await read_all(bus, "rollouts")) == ["g0", "g1", "g2"]
     state = await consumer_state(bus)
     assert state.num_pending == 0 and state.num_ack_pending == 0
@@ -99,7 +99,7 @@ async def test_sigterm_past_grace_hands_work_back_at_once(make_bus, nats_server,
     log = tmp_path / "c.log"
     proc = start_worker(nats_server, bus.run, log, sleep=60, concurrency=2, grace=0.5)
     try:
-        wait_for_lines(log, "start", 2, proc)
+        await wait_for_lines(log, "start", 2, proc)
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     finally:

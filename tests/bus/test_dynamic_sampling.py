@@ -9,14 +9,14 @@ import tests.factories as f
 from relax_bus.control import Skip
 from relax_bus.delivery import WorkerOptions
 from relax_bus.errors import ConfigError
-from relax_bus.stale_filter import read_counter
-from relax_bus.state_keys import FEEDER_CURSOR
+from relax_bus.kv_counter import KvCounter
 from schemas import PromptGroup, RunEvent, Sample, TrainGroup
 from tests.bus.test_publish import read_all
 from tests.waiting import holds, until
 from workers.roles.feeder import feed
 from workers.roles.filtered_credit import OversampleExhausted, count_below, read_filtered, record_filtered
 from workers.roles.reward import filter_uniform, make_scorer, reward_worker, score_group
+from workers.state_keys import FEEDER_CURSOR
 
 pytestmark = pytest.mark.bus
 
@@ -85,7 +85,7 @@ async def test_concurrent_records_of_the_same_groups_count_each_once(make_bus):
 
 
 async def cursor(bus) -> int:
-    return (await read_counter(bus.state, FEEDER_CURSOR))[0]
+    return (await KvCounter(bus.state, FEEDER_CURSOR).get())[0]
 
 
 async def wait_cursor(bus, value: int) -> None:

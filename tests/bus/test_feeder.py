@@ -4,18 +4,18 @@ import asyncio
 
 import pytest
 
-from relax_bus.stale_filter import read_counter
-from relax_bus.state_keys import FEEDER_CURSOR, GROUPS_DROPPED, TRAINER_DONE
+from relax_bus.kv_counter import KvCounter
 from schemas import DeadLetter, PromptGroup, encode
 from tests.bus.test_publish import read_all
 from tests.waiting import holds, until
 from workers.roles.feeder import feed
+from workers.state_keys import FEEDER_CURSOR, GROUPS_DROPPED, TRAINER_DONE
 
 pytestmark = pytest.mark.bus
 
 
 async def cursor(bus) -> int:
-    return (await read_counter(bus.state, FEEDER_CURSOR))[0]
+    return (await KvCounter(bus.state, FEEDER_CURSOR).get())[0]
 
 
 async def wait_cursor(bus, value: int, timeout_s: float = 60.0) -> None:

@@ -65,14 +65,14 @@ async def test_a_killed_and_restarted_metrics_role_writes_every_step_once(make_b
     # A role that took events 1-10, wrote steps 1-5 to its sinks and died before acknowledging any.
     sinks = open_sinks(bus.config.metrics, out, bus.run)
     crashed = MetricsRole(bus, "metrics", sinks, None)
-    await crashed.reader.open()
+    await crashed.follower.open()
     batch = []
     while len(batch) < 20:
-        batch += await crashed.reader.next_batch()
+        batch += await crashed.follower.next_batch()
     crashed._write([m for _, m in batch if isinstance(m, Metric)][:5])
     for sink in sinks:
         sink.close()
-    await crashed.reader.close()
+    await crashed.follower.close()
     assert jsonl_steps(out) == list(range(1, 6))
 
     # The real role, rewound to its ack floor: 1-10 come again at once and in order (not after ack_wait,

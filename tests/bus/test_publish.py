@@ -2,6 +2,7 @@ import asyncio
 import os
 
 import nats.errors
+import nats.js.errors
 import pytest
 from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE
 
@@ -11,6 +12,7 @@ from relax_bus.errors import BlobNotFound, PublishFailed, StreamFull
 from schemas import DeadLetter, PromptGroup, encode
 from tests import factories as f
 from tests.unit.test_schemas import every_message
+from tests.waiting import until
 
 pytestmark = pytest.mark.bus
 
@@ -112,7 +114,7 @@ async def test_chunks_of_a_cut_off_upload_are_cleared_and_nothing_else(bus):
     assert await store.clear_orphans() == 0  # cleared subjects and the live objects are left alone
 
 
-async def test_full_stream_pushes_back_then_fails_clearly(make_bus):
+async def test_full_stream_pushes_back_then_fails_clearly(make_bus, monkeypatch):
     bus = await make_bus(groups_per_step=1, bus={"hop_max_msgs": 2})
     for i in range(2):
         await bus.publish("prompts", f.prompt(bus.run, i))
@@ -120,17 +122,31 @@ async def test_full_stream_pushes_back_then_fails_clearly(make_bus):
     with pytest.raises(StreamFull, match=r"failed for 0\.5s"):
         await bus.publisher.publish(subject, f.prompt(bus.run, 9), deadline_s=0.5)
 
-    # Room appears while the publisher waits: it gets through.
+    # Room appears while the publisher waits: it gets through. The room is made only once the server
+    # has refused the waiting publisher, so the publish below cannot pass without having waited.
+    refused: list[str] = []
+    publish = bus.publisher.js.publish
+
+    async def counting_publish(*args, **kwargs):
+        try:
+            return await publish(*args, **kwargs)
+        except nats.js.errors.APIError as err:
+            refused.append(err.description or str(err))
+            raise
+
+    monkeypatch.setattr(bus.publisher.js, "publish", counting_publish)
+
     async def consume_one():
-        await asyncio.sleep(0.3)
+        await until(lambda: len(refused), lambda n: n >= 1, timeout_s=30, what="a refused publish")
         sub = await bus.js.pull_subscribe_bind("rollout", bus.topology.stream("prompts").name)
         (msg,) = await sub.fetch(1, timeout=2)
         await msg.ack_sync()
 
     consumer = asyncio.create_task(consume_one())
-    ack = await bus.publisher.publish(subject, f.prompt(bus.run, 9), deadline_s=10)
+    ack = await bus.publisher.publish(subject, f.prompt(bus.run, 9), deadline_s=60)
     await consumer
     assert ack.seq == 3
+    assert refused, "the publisher was never refused: the stream was not full while it waited"
 
 
 async def test_publish_many_pipelines_and_dedupes(bus):

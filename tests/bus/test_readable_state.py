@@ -19,15 +19,15 @@ import pytest
 from relax_bus.bus import Bus
 from relax_bus.connection import connect
 from relax_bus.heartbeat import HeartbeatWriter, live_workers, process_heartbeat, read_heartbeat
+from relax_bus.kv_counter import KvCounter
 from relax_bus.kv_keys import kv_keys
+from relax_bus.policy_version import PolicyVersion
 from relax_bus.provision import CONFIG_KEY, delete_run
-from relax_bus.stale_filter import add_to_counter
-from relax_bus.state_keys import FEEDER_CURSOR, GROUPS_DROPPED, POLICY_VERSION, TRAINER_CHECKPOINT, TRAINER_STEP
-from relax_bus.version import PolicyVersion
 from schemas import UnknownSchemaVersion, WorkerHeartbeat, encode
 from tests.waiting import until
 from workers.config import PipelineConfig
 from workers.roles.feeder import feed
+from workers.state_keys import FEEDER_CURSOR, GROUPS_DROPPED, POLICY_VERSION, TRAINER_CHECKPOINT, TRAINER_STEP
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,7 +78,7 @@ async def test_every_run_state_value_written_by_the_bus_and_the_feeder_is_json(m
     bus = await make_bus(groups_per_step=2, staleness={"max_staleness": 0}, trainer={"steps": 3})
     version = PolicyVersion(bus.state)
     await version.advance(1, 0)
-    await add_to_counter(bus.state, GROUPS_DROPPED, 2)
+    await KvCounter(bus.state, GROUPS_DROPPED).add(2)
     stop = asyncio.Event()
     task = asyncio.create_task(feed(bus, stop))
     try:

@@ -1,4 +1,4 @@
-"""Policy version (CAS + watcher), heartbeats and the staleness filter against a real server."""
+"""Policy version (CAS + watcher), heartbeats, KV counters and the staleness rule against a real server."""
 
 import asyncio
 import time
@@ -9,13 +9,16 @@ from relax_bus.bus import Bus
 from relax_bus.connection import connect
 from relax_bus.errors import VersionConflict
 from relax_bus.heartbeat import HeartbeatWriter, live_workers
+from relax_bus.kv_counter import KvCounter
 from relax_bus.kv_keys import kv_keys
-from relax_bus.stale_filter import DROPPED_KEY, add_to_counter, read_counter, stale_filter
 from relax_bus.worker import Delivery, Worker, WorkerOptions
 from schemas import PromptGroup, RunEvent, TrainGroup, WorkerHeartbeat
 from tests import factories as f
 from tests.bus.test_publish import read_all
+from tests.waiting import until
 from workers.config import PipelineConfig
+from workers.roles.stale_groups import admit_fresh
+from workers.state_keys import GROUPS_DROPPED
 
 pytestmark = pytest.mark.bus
 
@@ -44,7 +47,7 @@ async def test_version_watcher_sees_updates_and_survives_a_server_restart(bus, n
     task = asyncio.create_task(watch())
     try:
         rev = await bus.version.advance(1, 0)
-        await wait_until(lambda: seen == [0, 1] or seen == [1])
+        await until(lambda: list(seen), lambda s: s in ([0, 1], [1]), timeout_s=30, what="versions 0, 1 seen")
         nats_server.stop()
         nats_server.start()  # same port, same store dir: streams and KV survive
         writer = await Bus.connect(settings, bus.run, config_model=PipelineConfig)
@@ -52,24 +55,10 @@ async def test_version_watcher_sees_updates_and_survives_a_server_restart(bus, n
             await writer.version.advance(2, rev)
         finally:
             await writer.close()
-        await wait_until(lambda: seen[-1:] == [2], within_s=15)
+        await until(lambda: list(seen), lambda s: s[-1:] == [2], timeout_s=15, what="version 2 seen")
         assert seen == sorted(set(seen))
     finally:
         task.cancel()
-
-
-async def wait_until(cond, within_s=30.0):
-    deadline = time.monotonic() + within_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
-
-
-async def wait_until_async(cond, within_s=30.0):
-    deadline = time.monotonic() + within_s
-    while not await cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
 
 
 async def test_heartbeat_is_listed_then_disappears_after_its_ttl(bus):
@@ -78,13 +67,11 @@ async def test_heartbeat_is_listed_then_disappears_after_its_ttl(bus):
 
     writer = HeartbeatWriter(bus.workers, "reward.w1", beat, interval_s=0.3)
     writer.start()
-    listed: list[str] = []
 
-    async def listed_now() -> bool:
-        listed[:] = [w.worker_id for w in await live_workers(bus.workers)]
-        return listed == ["w1"]
+    async def listed() -> list[str]:
+        return [w.worker_id for w in await live_workers(bus.workers)]
 
-    await wait_until_async(listed_now)
+    await until(listed, lambda ids: ids == ["w1"], timeout_s=30, what="worker w1 listed")
     await writer.stop(remove=False)  # as if the worker hung or was killed: no more beats, no delete
     last = writer.last_beat_at
     assert last is not None
@@ -113,11 +100,7 @@ async def test_a_running_worker_heartbeats_and_removes_itself_on_stop(bus):
 
     worker = Worker(bus, "rollout", idle, PromptGroup, WorkerOptions(fetch_timeout_s=0.2))
     task = asyncio.create_task(worker.run())
-    deadline = time.monotonic() + 30
-    while not await live_workers(bus.workers):
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.05)
-    (beat,) = await live_workers(bus.workers)
+    (beat,) = await until(lambda: live_workers(bus.workers), bool, timeout_s=30, what="a live worker")
     assert beat.role == "rollout" and beat.worker_id == worker.worker_id and "processed" in beat.counters
     worker.stop()
     await task
@@ -128,8 +111,8 @@ async def test_counter_compare_and_set_with_concurrent_writers(bus, settings):
     others = [await connect(settings) for _ in range(3)]
     try:
         kvs = [await nc.jetstream().key_value(bus.topology.bucket("state")) for nc in others]
-        await asyncio.gather(*(add_to_counter(kv, DROPPED_KEY, 1) for kv in kvs for _ in range(5)))
-        assert (await read_counter(bus.state, DROPPED_KEY))[0] == 15
+        await asyncio.gather(*(KvCounter(kv, GROUPS_DROPPED).add(1) for kv in kvs for _ in range(5)))
+        assert (await KvCounter(bus.state, GROUPS_DROPPED).get())[0] == 15
     finally:
         for nc in others:
             await nc.close()
@@ -140,10 +123,17 @@ async def run_filtered(bus, trainer_version, groups):
         await bus.publish("train", g)
     trained: list[str] = []
 
-    async def train(group: TrainGroup, delivery: Delivery):
+    async def nothing(decision):
+        return None
+
+    async def count_drop(decision):
+        await KvCounter(bus.state, GROUPS_DROPPED).add(1)
+
+    async def handler(group: TrainGroup, delivery: Delivery):
+        # The actor's admission step (`admit_fresh`), a drop counted in the run's counter.
+        await admit_fresh(bus, group, trainer_version, nothing, count_drop)
         trained.append(group.group_id)
 
-    handler = stale_filter(bus, lambda: trainer_version)(train)
     worker = Worker(bus, "actor", handler, TrainGroup, WorkerOptions(fetch_timeout_s=0.2))
     counters = await worker.run(until_empty=True)
     return trained, counters
@@ -154,7 +144,7 @@ async def test_stale_filter_drops_past_the_bound_and_returns_credit(make_bus):
     groups = [f.train(bus.run, i, version=v) for i, v in enumerate([5, 4, 3, 0])]
     trained, counters = await run_filtered(bus, 5, groups)
     assert trained == ["g0", "g1"] and counters.dropped == 2
-    assert (await read_counter(bus.state, DROPPED_KEY))[0] == 2
+    assert (await KvCounter(bus.state, GROUPS_DROPPED).get())[0] == 2
     events = [e for e in await read_all(bus, "events") if isinstance(e, RunEvent)]
     reasons = [e.fields["reason"] for e in events if e.event == "message_dropped"]
     assert reasons == [

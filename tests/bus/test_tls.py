@@ -15,8 +15,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from relax_bus.connection import connect
-from relax_bus.credentials import write_bundle
 from relax_bus.errors import NatsUnreachable
+from relax_bus.ops.credentials import write_bundle
 from relax_bus.provision import provision
 from relax_bus.settings import ConnectionSettings
 from tests.bus.test_auth import server_from

@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from relax_bus.server import EmbeddedServer
+from relax_bus.ops.server import EmbeddedServer
 from tests.e2e.cluster import Cluster
 
 SERVER = "nats-server"

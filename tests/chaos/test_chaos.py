@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from relax_bus.server import EmbeddedServer
+from relax_bus.ops.server import EmbeddedServer
 from tests.chaos.driver import SERVER, Chaos, Kill, plan
 from tests.chaos.report import REPORTS, ChaosReport, figures
 from tests.e2e.cluster import Cluster, small_config

@@ -22,11 +22,11 @@ import pytest
 from nats.aio.msg import Msg
 from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE
 
-from relax_bus.state_keys import TRAINER_CHECKPOINT
 from tests.e2e.cluster import Cluster, role_events, small_config
 from tests.e2e.test_pipeline import run_id
 from tests.waiting import until
 from workers.config import parse_config
+from workers.state_keys import TRAINER_CHECKPOINT
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 

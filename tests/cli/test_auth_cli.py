@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from relax_bus.errors import NatsServerNotFound
-from relax_bus.server import find_nats_server, free_port, wait_for_port
+from relax_bus.ops.server import find_nats_server, free_port, wait_for_port
 from tests.cli.test_cli import assert_one_line_error, relax, write_config
 from tests.conftest import REQUIRE_NATS
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from relax_bus.server import free_port, wait_for_port
+from relax_bus.ops.server import free_port, wait_for_port
 
 pytestmark = pytest.mark.cli
 ROOT = Path(__file__).resolve().parents[2]

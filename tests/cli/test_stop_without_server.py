@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from relax_bus.server import free_port
+from relax_bus.ops.server import free_port
 from tests.waiting import until
 
 pytestmark = pytest.mark.cli
@@ -47,7 +47,7 @@ def stopped(proc: subprocess.Popen[bytes], log: Path) -> tuple[int, str]:
 
 @pytest.mark.parametrize(
     ("role", "started", "ended"),
-    [("reward", "worker_started", "worker_stopped"), ("metrics", "events_reader_opened", "metrics_stopped")],
+    [("reward", "worker_started", "worker_stopped"), ("metrics", "follower_opened", "metrics_stopped")],
 )
 async def test_a_role_whose_server_has_gone_stops_cleanly(nats_server, tmp_path, role, started, ended):
     config = tmp_path / "run.yaml"

@@ -49,7 +49,7 @@ from schemas import TrainGroup
 from tests.container_host import NATS_IMAGE, missing, prepare_host
 from tests.workers.test_metrics_sinks import sample_of, tensorboard_series
 from workers.config import PipelineConfig, load_config
-from workers.roles.registry import ROLE_NAMES
+from workers.role_registry import ROLE_NAMES
 
 pytestmark = pytest.mark.compose
 

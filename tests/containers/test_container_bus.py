@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from relax_bus.envelope import CLAIM
-from relax_bus.server import find_nats_server
+from relax_bus.ops.server import find_nats_server
 from schemas import PromptGroup
 from tests import factories as f
 from tests.bus import test_crash, test_publish, test_state, test_worker

@@ -29,7 +29,7 @@ from nats.aio.client import DEFAULT_DRAIN_TIMEOUT
 from relax_bus.delivery import WorkerOptions
 from relax_bus.topology import build_topology
 from workers.config import load_config
-from workers.roles.registry import ROLES, role_def
+from workers.role_registry import ROLES, role_def
 
 pytestmark = pytest.mark.deploy
 

@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from relax_bus.credentials import write_bundle
+from relax_bus.ops.credentials import write_bundle
 from relax_bus.settings import ConnectionSettings
 from tests.bus.test_auth import server_from
 from tests.e2e.cluster import Cluster, small_config

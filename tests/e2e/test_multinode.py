@@ -22,14 +22,14 @@ from pydantic import ValidationError
 from relax_bus.bus import Bus
 from relax_bus.connection import connect
 from relax_bus.errors import ConfigError
+from relax_bus.ops.server import free_port
 from relax_bus.provision import provision_when_ready
-from relax_bus.server import free_port
 from relax_bus.settings import ConnectionSettings
 from tests.e2e.cluster import Cluster, small_config
 from tests.waiting import until
 from workers.config import PipelineConfig, parse_config
 from workers.launch.processes import RunProcesses, role_commands
-from workers.launch.torchrun import launcher, worker_arguments
+from workers.roles.torchrun import launcher, worker_arguments
 from workers.training.distributed import check_world
 
 

@@ -26,12 +26,12 @@ from tests.e2e.cluster import kill_after_step, small_config
 from tests.e2e.test_bad_input import dead_letters, rollout_role
 from tests.e2e.test_pipeline import run
 from workers.config import parse_config
-from workers.data.media_refs import store_inline
 from workers.data.models import materialize
 from workers.data.tasks import load_task
-from workers.omni.logprobs import media_response_logprobs
+from workers.omni.media_refs import store_inline
 from workers.omni.prompts import MediaPrompter
 from workers.roles.actor_media import ActorMedia
+from workers.training.media_policy import media_response_logprobs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 

@@ -68,7 +68,7 @@ async def test_replay_reproduces_the_logged_loss(nats_server, tmp_path, sharded)
             assert result["step"] == 6, result
             exported = load_model(tmp_path / "exported").state_dict()
             trained = PolicyTrainer(tmp_path / "export-work" / config.run / "base", config)
-            trained.restore_sharded(str(tmp_path / "checkpoints" / config.run / "ckpt-6"))
+            trained.checkpoints.restore_sharded(str(tmp_path / "checkpoints" / config.run / "ckpt-6"))
             base = load_model(tmp_path / "export-work" / config.run / "base").state_dict()
             for name, value in trained.model.state_dict().items():
                 assert torch.equal(exported[name], value), name

@@ -40,17 +40,17 @@ def test_a_checkpoint_with_code_in_it_is_refused_and_runs_nothing(tmp_path):
     marker = tmp_path / "planted"
     forged = pickle.dumps({"model": {}, "optimizer": {}, "extra": {"x": _Planted(str(marker))}})
     with pytest.raises(CheckpointRefused, match="Weights only load failed"):
-        trainer.restore(forged)
+        trainer.checkpoints.restore(forged)
     assert not marker.exists(), "unpickling ran the planted call"
     buf = io.BytesIO()
     torch.save({"model": {"w": torch.zeros(1)}, "extra": _Planted(str(marker))}, buf)
     with pytest.raises(CheckpointRefused):
-        trainer.restore(buf.getvalue())
+        trainer.checkpoints.restore(buf.getvalue())
     assert not marker.exists()
     with pytest.raises(CheckpointRefused, match="not a trainer checkpoint"):
         buf = io.BytesIO()
         torch.save([torch.zeros(1)], buf)
-        trainer.restore(buf.getvalue())
+        trainer.checkpoints.restore(buf.getvalue())
 
 
 def test_a_real_checkpoint_round_trips_without_pickle(tmp_path):
@@ -59,9 +59,9 @@ def test_a_real_checkpoint_round_trips_without_pickle(tmp_path):
         p.grad = torch.ones_like(p)
     trainer.optimizer.step()  # optimizer state worth keeping: exp_avg, exp_avg_sq, step
     trainer.scheduler.step()
-    data = trainer.checkpoint_bytes({"step": 3, "trained": ["e0-i1", "e0-i2"], "floor": 7})
+    data = trainer.checkpoints.to_bytes({"step": 3, "trained": ["e0-i1", "e0-i2"], "floor": 7})
     fresh = _trainer(tmp_path)
-    extra = fresh.restore(data)
+    extra = fresh.checkpoints.restore(data)
     assert extra == {"step": 3, "trained": ["e0-i1", "e0-i2"], "floor": 7}
     for (name, a), b in zip(trainer.model.named_parameters(), fresh.model.parameters(), strict=True):
         assert torch.equal(a, b), name

@@ -21,9 +21,9 @@ import pytest
 from nats.js import api
 
 from relax_bus import publish_ids, publisher
-from relax_bus.auth import permissions
 from relax_bus.bus import Bus
 from relax_bus.envelope import CLAIM, MSG_ID, message_id, seal
+from relax_bus.ops.auth import permissions
 from relax_bus.publisher import Publisher
 from relax_bus.topology import build_topology
 from relax_bus.worker import Delivery, Worker, WorkerOptions

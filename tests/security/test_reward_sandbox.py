@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from tests.waiting import until
-from workers.data.reward_process import OUTPUT_TAIL_BYTES
-from workers.data.reward_sandbox import Sandbox
-from workers.data.rewards import Scorer
+from workers.rewards.sandbox.client import Sandbox
+from workers.rewards.sandbox.process import OUTPUT_TAIL_BYTES
+from workers.rewards.scorer import Scorer
 
 pytestmark = pytest.mark.workers
 
@@ -173,7 +173,7 @@ async def test_closing_the_scorer_kills_what_the_function_left_running(marker):
 
 async def test_a_worker_killed_outright_takes_its_sandbox_with_it(marker):
     script = (
-        "import sys; from relax_bus.log import configure; from workers.data.rewards import Scorer\n"
+        "import sys; from relax_bus.log import configure; from workers.rewards.scorer import Scorer\n"
         "configure('warning')\n"
         f"options = {{'function': '{ATTACKS}:spawns_and_hangs', 'marker': '{marker}'}}\n"
         "s = Scorer([{'type': 'python', 'options': options}])\n"

@@ -22,13 +22,13 @@ import nkeys
 import pytest
 import yaml
 
-from relax_bus.cli import COMMANDS, build_parser
 from relax_bus.connection import connect
-from relax_bus.credentials import nkey_user, write_bundle
 from relax_bus.errors import ConfigError, NatsServerNotFound, NatsUnreachable
+from relax_bus.ops.cli import COMMANDS, build_parser
+from relax_bus.ops.credentials import nkey_user, write_bundle
+from relax_bus.ops.server import EmbeddedServer, free_port, wait_for_port
+from relax_bus.ops.server_conf import Cluster, JetStreamLimits, cluster_conf, reservations
 from relax_bus.provision import provision
-from relax_bus.server import EmbeddedServer, free_port, wait_for_port
-from relax_bus.server_conf import Cluster, JetStreamLimits, cluster_conf, reservations
 from relax_bus.settings import ConnectionSettings, RunConfig
 from relax_bus.topology import build_topology
 from tests.bus.test_auth import server_from

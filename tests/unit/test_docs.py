@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from relax_bus import state_keys
+from workers import state_keys
 from workers.config import load_config
 from workers.config_reference import render
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from workers.config import parse_config
-from workers.errors import RunFailed
+from workers.errors import RoleRefused, RunFailed
 from workers.launch import processes as p
 
 pytestmark = pytest.mark.unit
@@ -98,3 +98,22 @@ def test_nothing_is_restarted_once_the_run_has_ended(procs):
         _crash(rollout, float(k))
         procs.supervise(lambda note: None, now=float(k))
     assert procs.ended() and procs.restarted == [] and rollout.restarts == 0
+
+
+def test_a_role_that_refuses_its_config_ends_the_run_with_its_reason(procs):
+    """Exit 2 is a config the role cannot work with: not restarted, the run ends with the role's own error."""
+    rollout, notes = procs.get("rollout"), []
+    rollout.log_path.write_text(
+        '{"event": "role_starting"}\n'
+        "relax: error: invalid config run rb (rollout) (1 problem(s)):\n"
+        "  - model.source: unknown model source '/gone'\n"
+    )
+    rollout.proc = _Exited(2)  # type: ignore[assignment]
+    for _ in range(2):  # seen again: still no restart, the same reason
+        with pytest.raises(RoleRefused) as refused:
+            procs.supervise(notes.append, now=1.0)
+        assert str(refused.value) == (
+            "rollout-0 exited with 2 and is not restarted: invalid config run rb (rollout) (1 problem(s)):\n"
+            "  - model.source: unknown model source '/gone'"
+        )
+    assert notes == [] and procs.restarted == [] and rollout.restarts == 0 and rollout.failures == []

@@ -1,12 +1,13 @@
 import pytest
 
-from relax_bus.topology import SUBJECT_KEYS, build_topology
+from relax_bus.topology import build_topology
 from workers.config import parse_config
 
 
 def test_subjects_streams_and_roles():
     t = build_topology(parse_config({"run": "r1"}))
-    assert [t.subject(k) for k in SUBJECT_KEYS] == [f"relax.r1.{k}" for k in SUBJECT_KEYS]
+    assert [t.subject(k) for k in t.subject_keys] == [f"relax.r1.{k}" for k in t.subject_keys]
+    assert t.subject_keys == ("prompts", "rollouts", "scored", "train", "dlq", "events")
     assert t.stream("prompts").retention == "workqueue" and t.stream("prompts").discard == "new"
     assert t.stream("train").retention == "limits"
     assert t.role("reward").output == "train"
@@ -27,3 +28,20 @@ def test_limits_come_from_the_config():
     assert t.consumer("prompts").max_deliver == 9
     assert t.stream("rollouts").max_msgs == 77
     assert all(s.replicas == 3 for s in t.streams)
+
+
+def test_hops_come_from_the_chain():
+    from relax_bus.chain import Grants, Role, chain_problems, hop_keys
+
+    chain = (
+        Role(name="source", output="raw"),
+        Role(name="clean", input="raw", output="clean"),
+        Role(name="judge", input="clean", output="train", grants=Grants(publishes=("raw",))),
+        Role(name="learner", input="train"),
+    )
+    assert hop_keys(chain) == ("raw", "clean")  # a new hop is a key the roles pass along; train is a limits stream
+    assert hop_keys(chain, declared=("extra", "train")) == ("extra", "raw", "clean")
+    assert chain_problems(chain) == []
+    orphan = (*chain, Role(name="late", input="nowhere"))
+    assert chain_problems(orphan) == ["role late: input 'nowhere' is a hop no role of the chain publishes to"]
+    assert "is not a stream key" in chain_problems((Role(name="bad", output="Bad.Key"),))[0]

@@ -11,12 +11,12 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from relax_bus.state_keys import TRAINER_CHECKPOINT
 from tests.e2e.cluster import small_config
+from workers.checkpoints.whole import read_checkpoint
 from workers.config import parse_config
 from workers.data.models import materialize
 from workers.roles.actor import Actor
-from workers.training.checkpoint_io import read_checkpoint
+from workers.state_keys import TRAINER_CHECKPOINT
 from workers.training.trainer import PolicyTrainer
 from workers.weights import ObjectStoreTransport
 
@@ -125,7 +125,7 @@ async def test_a_sharded_checkpoint_is_recorded_once_every_shard_is_written(make
     assert (await record_of(bus))["dir"] == str(root / bus.run / "ckpt-0")
 
     # Step 2's shards: the write is held back (its future unresolved) while the next step trains.
-    real_save, release = actor.trainer.save_sharded, threading.Event()
+    real_save, release = actor.trainer.checkpoints.save_sharded, threading.Event()
 
     def held_save(path, extra):
         written = real_save(path, extra)
@@ -133,7 +133,7 @@ async def test_a_sharded_checkpoint_is_recorded_once_every_shard_is_written(make
         threading.Thread(target=lambda: (release.wait(60), held.set_result(written.result()))).start()
         return held
 
-    actor.trainer.save_sharded = held_save
+    actor.trainer.checkpoints.save_sharded = held_save
     moved(actor.trainer)
     actor.state.step = 2
     at_step_2 = weights(actor.trainer)

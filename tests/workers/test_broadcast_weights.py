@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import workers.weights_broadcast as wb
+import workers.weights.broadcast as wb
 from tests.waiting import until
 from tests.workers.test_shm_weights import assert_exact, sample_state
 from tests.workers.test_weight_contract import reader_script
 from workers.weights import make_transport
-from workers.weights_broadcast import BroadcastTransport, pack, unpack
+from workers.weights.broadcast import BroadcastTransport, pack, unpack
 
 pytestmark = pytest.mark.workers
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,8 +1,10 @@
-"""The byte tokenizer, tiny model sources, teacher-forced log-probs and the torch generation engine."""
+"""The byte tokenizer, tiny model sources, teacher-forced log-probs and what is the torch engine's own.
+
+What every engine keeps (samples, log-probs, stopping, weight loads, seeds) is tests/workers/test_engine_contract.py.
+"""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import huggingface_hub.constants
@@ -10,12 +12,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedModel
 
-from tests.workers.engine_checks import check_aligned_samples, one_direction_state, prompts_of
+from tests.workers.test_engine_contract import prompts_of
 from workers.data.models import load_model, load_tokenizer, materialize
 from workers.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, build_byte_tokenizer
-from workers.engines.base import Generated, SamplingSettings, make_engine
+from workers.engines.base import SamplingSettings, make_engine
 from workers.engines.torch_engine import TorchEngine
-from workers.training.logprobs import response_logprobs, token_logprobs
+from workers.training.logprobs import token_logprobs
 
 pytestmark = pytest.mark.workers
 
@@ -33,16 +35,6 @@ def engine(model_dir: Path) -> TorchEngine:
 
 
 PROMPTS = prompts_of("1+2=", "7+8=", "a much longer prompt, to force left padding=", "é")
-
-
-def max_logprob_error(engine: TorchEngine, prompts: list[list[int]], out: list[list[Generated]], tau: float) -> float:
-    worst = 0.0
-    with torch.no_grad():
-        for prompt, samples in zip(prompts, out, strict=True):
-            ref = response_logprobs(engine.model, prompt, [g.token_ids for g in samples], tau)
-            for g, r in zip(samples, ref, strict=True):
-                worst = max(worst, (torch.tensor(g.logprobs) - r).abs().max().item())
-    return worst
 
 
 def test_tokenizer_round_trips_odd_text_and_bytes() -> None:
@@ -132,38 +124,6 @@ def test_token_logprobs_ignore_padding_side(engine: TorchEngine) -> None:
     assert (right[:, : plain.shape[1]] - plain).abs().max() < 1e-5 and (right[:, plain.shape[1] :] == 0).all()
 
 
-def test_engine_returns_n_aligned_samples_per_prompt(engine: TorchEngine) -> None:
-    out = engine.generate(PROMPTS, 3, SamplingSettings(max_new_tokens=5, seed=0))
-    total = check_aligned_samples(out, engine.tokenizer, len(PROMPTS), 3, 5)
-    assert engine.tokens_generated() == total
-
-
-def test_engine_finish_reasons_length_and_stop(engine: TorchEngine) -> None:
-    engine.load_state_dict(one_direction_state(engine.model, eos_gap=-2.0), version=1)  # eos all but impossible
-    out = engine.generate(PROMPTS, 2, SamplingSettings(max_new_tokens=3, seed=0))
-    assert all(g.finish_reason == "length" and len(g.token_ids) == 3 for s in out for g in s)
-    engine.load_state_dict(one_direction_state(engine.model, eos_gap=2.0), version=2)  # eos near certain
-    out = engine.generate(PROMPTS, 2, SamplingSettings(max_new_tokens=3, seed=0))
-    for g in (g for s in out for g in s):
-        assert (g.token_ids, g.text, g.finish_reason) == ([EOS_ID], "", "stop")
-        assert g.logprobs[0] == pytest.approx(0.0, abs=1e-6)
-
-
-def test_rows_that_stop_early_keep_their_own_logprobs(engine: TorchEngine) -> None:
-    engine.load_state_dict(one_direction_state(engine.model, eos_gap=0.4), version=1)  # eos ~25% per step
-    out = engine.generate(PROMPTS, 8, SamplingSettings(max_new_tokens=8, seed=0))
-    samples = [g for s in out for g in s]
-    assert {g.finish_reason for g in samples} == {"stop", "length"}
-    assert len({len(g.token_ids) for g in samples}) > 3
-    assert max_logprob_error(engine, PROMPTS, out, 1.0) < 1e-4
-
-
-@pytest.mark.parametrize(("tau", "top_p"), [(1.0, 1.0), (0.7, 1.0), (0.7, 0.8), (1.3, 0.95)])
-def test_rollout_logprobs_match_teacher_forced(engine: TorchEngine, tau: float, top_p: float) -> None:
-    out = engine.generate(PROMPTS, 4, SamplingSettings(temperature=tau, top_p=top_p, max_new_tokens=12, seed=1))
-    assert max_logprob_error(engine, PROMPTS, out, tau) < 1e-4
-
-
 def test_tiny_top_p_samples_the_argmax(engine: TorchEngine) -> None:
     out = engine.generate(PROMPTS, 2, SamplingSettings(top_p=1e-6, max_new_tokens=6, seed=0))
     with torch.no_grad():
@@ -172,41 +132,3 @@ def test_tiny_top_p_samples_the_argmax(engine: TorchEngine) -> None:
                 seq = torch.tensor([prompt + g.token_ids])
                 greedy = engine.model(input_ids=seq).logits[0, len(prompt) - 1 : -1].argmax(-1)
                 assert greedy.tolist() == g.token_ids
-
-
-def test_load_state_dict_changes_logprobs_and_version(engine: TorchEngine) -> None:
-    original = {k: v.clone() for k, v in engine.model.state_dict().items()}
-    settings = SamplingSettings(temperature=0.7, max_new_tokens=4, seed=5)
-    before = engine.generate(PROMPTS, 2, settings)
-    zeroed = dict(original, **{"model.embed_tokens.weight": torch.zeros_like(original["model.embed_tokens.weight"])})
-    zeroed["lm_head.weight"] = zeroed["model.embed_tokens.weight"]
-    engine.load_state_dict(zeroed, version=7)
-    assert engine.version == 7
-    flat = engine.generate(PROMPTS, 2, settings)  # zero embeddings: every logit 0, uniform over the vocabulary
-    lps = [lp for s in flat for g in s for lp in g.logprobs]
-    assert max(abs(lp + math.log(VOCAB_SIZE)) for lp in lps) < 1e-5
-    engine.load_state_dict(original, version=8)
-    assert engine.version == 8 and engine.generate(PROMPTS, 2, settings) == before
-    with pytest.raises(ValueError, match="does not fit the model"):
-        engine.load_state_dict({"model.embed_tokens.weight": original["model.embed_tokens.weight"]}, version=9)
-    assert engine.version == 8
-
-
-def test_generation_is_deterministic_with_a_seed(engine: TorchEngine) -> None:
-    settings = SamplingSettings(max_new_tokens=8, seed=42)
-    first = engine.generate(PROMPTS, 4, settings)
-    assert engine.generate(PROMPTS, 4, settings) == first
-    assert engine.generate(PROMPTS, 4, SamplingSettings(max_new_tokens=8, seed=43)) != first
-
-
-def test_per_prompt_seeds_make_a_prompts_samples_independent_of_its_batch(engine: TorchEngine) -> None:
-    settings = SamplingSettings(max_new_tokens=8)
-    together = engine.generate(PROMPTS, 3, settings, seeds=[10, 20, 30, 40])
-    alone = engine.generate(PROMPTS[1:2], 3, settings, seeds=[20])
-    assert [g.token_ids for g in alone[0]] == [g.token_ids for g in together[1]]
-    for a, b in zip(alone[0], together[1], strict=True):
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
-    assert len({tuple(g.token_ids) for g in together[1]}) > 1  # sample j has its own stream (seed + j)
-    assert engine.generate(PROMPTS, 3, settings, seeds=[10, 21, 30, 40])[1] != together[1]
-    with pytest.raises(ValueError, match="2 seeds for 4 prompts"):
-        engine.generate(PROMPTS, 3, settings, seeds=[1, 2])

@@ -10,7 +10,7 @@ import torch
 from workers.training.advantages import group_advantages
 from workers.training.corrections import CORRECTIONS
 from workers.training.losses import AGGREGATIONS, normalizer_of
-from workers.training.policy_losses import POLICY_LOSSES, policy_loss
+from workers.training.policy_losses import POLICY_LOSSES, LossSettings, policy_loss
 
 pytestmark = pytest.mark.workers
 
@@ -31,9 +31,12 @@ def random_case(seed: int, b: int = 6, t: int = 7, spread: float = 0.5, positive
     return logp, logp_old, logp_rollout, advantages, mask
 
 
-def loss_and_grad(logp: torch.Tensor, *args, **kwargs) -> tuple[float, torch.Tensor, dict[str, float]]:
+def loss_and_grad(
+    logp: torch.Tensor, *args, normalizer: float | None = None, **settings
+) -> tuple[float, torch.Tensor, dict[str, float]]:
+    """The loss, its gradient and metrics; `settings`: the fields of LossSettings."""
     leaf = logp.detach().clone().requires_grad_(True)
-    loss, metrics = policy_loss(leaf, *args, **kwargs)
+    loss, metrics = policy_loss(leaf, *args, LossSettings(**settings), normalizer)
     loss.backward()
     assert leaf.grad is not None
     return loss.item(), leaf.grad, metrics

@@ -162,7 +162,7 @@ def test_schedule_runs_per_update_and_survives_a_checkpoint(setup):
     first = t.step(groups)
     assert first["lr"] == pytest.approx(1e-2 * (1 - 2 / 8))
     restored = trainer(model_dir, lr_schedule="linear", steps=4, mini_batches=2)
-    restored.restore(t.checkpoint_bytes({"step": 1}))
+    restored.checkpoints.restore(t.checkpoints.to_bytes({"step": 1}))
     assert restored.step(groups)["lr"] == pytest.approx(t.step(groups)["lr"]) == pytest.approx(1e-2 * 0.5)
 
 

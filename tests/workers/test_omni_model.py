@@ -14,11 +14,11 @@ from workers.engines.torch_engine import TorchEngine
 from workers.omni import video
 from workers.omni.errors import UnsupportedModelError
 from workers.omni.loading import is_multimodal, load_omni
-from workers.omni.logprobs import batch_media, media_response_logprobs, media_token_ids, media_token_logprobs
+from workers.omni.logprobs import batch_media, media_token_ids, media_token_logprobs
 from workers.omni.media import decode_parts, processor_inputs
 from workers.omni.tasks import KINDS, Kind, item_parts, make_items
 from workers.omni.tiny import MEDIA_IDS
-from workers.training.logprobs import policy_token_logprobs
+from workers.training.media_policy import media_response_logprobs, policy_token_logprobs
 
 pytestmark = pytest.mark.workers
 

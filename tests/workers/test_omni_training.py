@@ -12,18 +12,18 @@ import torch
 from schemas import PromptGroup, RolloutGroup, ScoredGroup, TextPart, TrainGroup, WireTensor
 from schemas.parts import Part
 from workers.config import parse_config
-from workers.data.media_refs import by_reference, has_media, media_bytes, modality
 from workers.data.models import materialize
 from workers.data.tasks import load_task
 from workers.engines.base import MediaInputs, SamplingSettings
 from workers.engines.torch_engine import TorchEngine
 from workers.omni.group_forward import sample_after
+from workers.omni.media_refs import by_reference, has_media, media_bytes, modality
 from workers.omni.prompts import MediaPrompter
 from workers.roles.rollout import sample_of
 from workers.training.batch import make_batch
 from workers.training.media_policy import media_rows_logprobs
 from workers.training.trainer import PolicyTrainer
-from workers.training.warmup import item_prompt
+from workers.training.warmup import item_prompt, run_warmup
 
 pytestmark = pytest.mark.workers
 
@@ -84,14 +84,14 @@ def task_parts(count: int = 1) -> list[tuple[Part, ...]]:
 
 def test_the_trainer_scores_media_groups_as_the_engine_sampled_them(omni_dir):
     trainer = PolicyTrainer(omni_dir, parse_config(CONFIG))
-    assert trainer.prompter is not None and not trainer.shared_prompt
+    assert trainer.prompter is not None and not trainer.forward.shares_prompt
     engine = TorchEngine(omni_dir)
     mixed = load_task({"type": "omni", "count": 1, "kinds": ["mixed"]})[0].parts
     parts = [*task_parts(), mixed, (TextPart(text="What colour? "),)]  # image, audio, video, both, text
     groups, media = groups_from_engine(engine, parts)
     batch = make_batch(groups, media)
     with torch.no_grad():
-        mb, logp = trainer._forward(batch, list(range(batch.ids.shape[0])))
+        mb, logp = trainer.forward.logprobs(batch, list(range(batch.ids.shape[0])))
     mask = mb.mask.bool()
     picked, expected = logp[mask], mb.rollout_logp[mask]
     assert picked.numel() == sum(s.token_ids.numel for g in groups for s in g.scored.rollout.samples)
@@ -111,8 +111,8 @@ def test_a_media_group_without_its_tensors_is_not_scored_as_text(omni_dir):
     trainer = PolicyTrainer(omni_dir, parse_config(CONFIG))
     groups, media = groups_from_engine(TorchEngine(omni_dir), task_parts()[:1])
     with torch.no_grad():
-        with_media = trainer._forward(make_batch(groups, media), [0])[1]
-        without = trainer._forward(make_batch(groups), [0])[1]
+        with_media = trainer.forward.logprobs(make_batch(groups, media), [0])[1]
+        without = trainer.forward.logprobs(make_batch(groups), [0])[1]
     assert (with_media - without).abs().max().item() > 1e-3
 
 
@@ -123,7 +123,7 @@ def test_the_warm_up_trains_on_media_prompts(omni_dir):
     ids, media = item_prompt(trainer, items[0])
     assert media is not None and ids == media["input_ids"][0].tolist()
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    info = trainer.warmup(items)
+    info = run_warmup(trainer, items)
     assert info["warmup_steps"] == 4 and 0.0 <= info["warmup_accuracy"] <= 1.0
     assert any(not torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
 

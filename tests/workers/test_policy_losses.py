@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from workers.training.losses import AGGREGATIONS
-from workers.training.policy_losses import POLICY_LOSSES, policy_loss
+from workers.training.policy_losses import POLICY_LOSSES, LossSettings, policy_loss
 
 pytestmark = pytest.mark.workers
 
@@ -66,7 +66,7 @@ def test_ppo_loss_token_aggregation_on_policy_rollout():
 
 def test_ppo_loss_sequence_aggregation_on_policy_rollout():
     logp, logp_old, logp_rollout, advantages, mask = example()
-    loss, _ = policy_loss(logp, logp_old, logp_rollout, advantages, mask, aggregation="sequence")
+    loss, _ = policy_loss(logp, logp_old, logp_rollout, advantages, mask, LossSettings(aggregation="sequence"))
     # sequence 0: (-1.28 - 0.5) / 2 = -0.89; sequence 1: (2.4 + 1.6 + 3.0) / 3 = 7 / 3
     # mean: (-0.89 + 2.3333333) / 2 = 0.7216667
     assert loss.item() == pytest.approx((-0.89 + 7 / 3) / 2, abs=1e-12)
@@ -87,7 +87,7 @@ def test_ppo_loss_with_tis_weights():
     assert metrics["logprob_mismatch"] == pytest.approx(mismatch, abs=1e-12)
     assert metrics["ppo_clip_frac"] == pytest.approx(2 / 5)  # TIS does not change which tokens are clipped
 
-    loss, _ = policy_loss(logp, logp_old, logp_rollout, advantages, mask, aggregation="sequence")
+    loss, _ = policy_loss(logp, logp_old, logp_rollout, advantages, mask, LossSettings(aggregation="sequence"))
     # sequence 0: (-0.64 - 1.0) / 2 = -0.82; sequence 1: (2.4 + 0.4 + 6.0) / 3 = 8.8 / 3
     # mean: (-0.82 + 2.9333333) / 2 = 1.0566667
     assert loss.item() == pytest.approx((-0.82 + 8.8 / 3) / 2, abs=1e-12)
@@ -150,7 +150,9 @@ def test_on_policy_loss_is_minus_mean_advantage():
         }
     )
     # sequence: -(0.5 - 1 + 2 - 3) / 4 = 0.375
-    loss_seq, _ = policy_loss(logp, logp.detach(), logp.detach(), advantages, mask, aggregation="sequence")
+    loss_seq, _ = policy_loss(
+        logp, logp.detach(), logp.detach(), advantages, mask, LossSettings(aggregation="sequence")
+    )
     assert loss_seq.item() == pytest.approx(-advantages.mean().item(), abs=1e-12)
     # the policy gradient: d loss / d logp = -A_b / 12 on valid tokens, 0 on padding
     loss.backward()
@@ -186,7 +188,12 @@ def test_fully_masked_batch_gives_zero_loss_and_metrics():
     logp = torch.zeros(2, 3, requires_grad=True)
     for aggregation in AGGREGATIONS:
         loss, metrics = policy_loss(
-            logp, torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2), torch.zeros(2, 3), aggregation=aggregation
+            logp,
+            torch.zeros(2, 3),
+            torch.zeros(2, 3),
+            torch.ones(2),
+            torch.zeros(2, 3),
+            LossSettings(aggregation=aggregation),
         )
         assert loss.item() == 0.0
         assert set(metrics.values()) == {0.0}
@@ -201,11 +208,11 @@ def test_policy_loss_checks_shapes_and_names():
     with pytest.raises(ValueError, match="logp_rollout has shape"):
         policy_loss(x, x, torch.zeros(2, 4), torch.zeros(2), torch.ones(2, 3))
     with pytest.raises(ValueError, match=r"unknown aggregation 'batch'.*token.*sequence"):
-        policy_loss(x, x, x, torch.zeros(2), torch.ones(2, 3), aggregation="batch")
+        policy_loss(x, x, x, torch.zeros(2), torch.ones(2, 3), LossSettings(aggregation="batch"))
     with pytest.raises(ValueError, match=r"unknown loss 'trpo'.*cispo.*dual_clip.*gspo.*ppo"):
-        policy_loss(x, x, x, torch.zeros(2), torch.ones(2, 3), loss="trpo")
+        policy_loss(x, x, x, torch.zeros(2), torch.ones(2, 3), LossSettings(loss="trpo"))
     with pytest.raises(ValueError, match="dual-clip c must be above 1"):
-        policy_loss(x, x, x, torch.zeros(2), torch.ones(2, 3), loss="dual_clip", loss_options={"c": 1.0})
+        policy_loss(x, x, x, torch.zeros(2), torch.ones(2, 3), LossSettings(loss="dual_clip", loss_options={"c": 1.0}))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -223,7 +230,9 @@ def test_policy_loss_checks_shapes_and_names():
 def test_dual_clip_bounds_the_loss_of_negative_advantages():
     logp, logp_old = from_ratios([[4.0, 0.5, 1.0], [4.0, 2.0, 0.5]])
     advantages, mask = t([[1.0, -1.0]])[0], torch.ones(2, 3)
-    loss, metrics = policy_loss(logp, logp_old, logp_old, advantages, mask, loss="dual_clip", loss_options={"c": 3.0})
+    loss, metrics = policy_loss(
+        logp, logp_old, logp_old, advantages, mask, LossSettings(loss="dual_clip", loss_options={"c": 3.0})
+    )
     # (-1.28 - 0.5 - 1 + 3 + 2 + 0.8) / 6 = 3.02 / 6
     assert loss.item() == pytest.approx(3.02 / 6, abs=1e-12)
     assert metrics["ppo_clip_frac"] == pytest.approx(3 / 6)
@@ -247,12 +256,12 @@ def test_gspo_applies_one_clipped_sequence_ratio_to_every_token():
     logp, logp_old = from_ratios([[2.0, 2.0, 1.0], [1.1, 1.1, 1.1]])
     logp.data[0, 2] = float("nan")  # padding
     advantages, mask = t([[1.0, -1.0]])[0], t([[1, 1, 0], [1, 1, 1]])
-    loss, metrics = policy_loss(logp, logp_old, logp_old, advantages, mask, loss="gspo")
+    loss, metrics = policy_loss(logp, logp_old, logp_old, advantages, mask, LossSettings(loss="gspo"))
     # token: (2 * -1.28 + 3 * 1.1) / 5 = 0.74 / 5 = 0.148
     assert loss.item() == pytest.approx(0.148, abs=1e-12)
     assert metrics["ppo_clip_frac"] == pytest.approx(2 / 5)
     assert metrics["ratio_mean"] == pytest.approx((2 * 2 + 3 * 1.1) / 5, abs=1e-12)
-    seq, _ = policy_loss(logp, logp_old, logp_old, advantages, mask, loss="gspo", aggregation="sequence")
+    seq, _ = policy_loss(logp, logp_old, logp_old, advantages, mask, LossSettings(loss="gspo", aggregation="sequence"))
     assert seq.item() == pytest.approx((-1.28 + 1.1) / 2, abs=1e-12)  # the paper's mean over sequences
     loss.backward()
     # sequence 1: loss = (3 / 5) * -s A, d s / d logp_t = s / 3 -> -A s / 5 = 1.1 / 5 = 0.22 per token
@@ -267,7 +276,7 @@ def test_gspo_applies_one_clipped_sequence_ratio_to_every_token():
 
 def test_cispo_clips_the_weight_and_keeps_every_gradient():
     logp, logp_old, logp_rollout, advantages, mask = example()
-    loss, metrics = policy_loss(logp, logp_old, logp_rollout, advantages, mask, loss="cispo")
+    loss, metrics = policy_loss(logp, logp_old, logp_rollout, advantages, mask, LossSettings(loss="cispo"))
     # value -w A: -1.28, -0.8 | 2.4, 1.6, 2.56 -> 4.48 / 5
     assert loss.item() == pytest.approx(4.48 / 5, abs=1e-12)
     assert metrics["ppo_clip_frac"] == pytest.approx(4 / 5)  # every ratio but 1.2 is outside [0.8, 1.28]
@@ -283,11 +292,11 @@ def test_every_loss_ignores_padding_and_detaches_the_rest(name):
     logp, logp_old, logp_rollout, advantages, mask = example([[0.5, 3.0, 7.0], [1.0, 0.25, 2.0]])
     for tensor in (logp_old, logp_rollout, advantages):
         tensor.requires_grad_(True)
-    loss, metrics = policy_loss(logp, logp_old, logp_rollout, advantages, mask, loss=name)
+    loss, metrics = policy_loss(logp, logp_old, logp_rollout, advantages, mask, LossSettings(loss=name))
     loss.backward()
     assert logp.grad[0, 2] == 0.0 and bool(torch.isfinite(logp.grad).all())
     assert logp_old.grad is None and logp_rollout.grad is None and advantages.grad is None
     logp2 = logp.detach().clone()
     logp2[0, 2] = float("nan")
-    loss2, metrics2 = policy_loss(logp2, logp_old, logp_rollout, advantages, mask, loss=name)
+    loss2, metrics2 = policy_loss(logp2, logp_old, logp_rollout, advantages, mask, LossSettings(loss=name))
     assert loss2.item() == loss.item() and metrics2 == metrics

@@ -9,10 +9,10 @@ import pytest
 
 from schemas import ChatTurn
 from workers.data.prompts import answer_ids, prompt_ids
-from workers.data.rewards import Scorer
 from workers.data.tasks import epoch_order, load_task
 from workers.data.tokenizer import BOS_ID, EOS_ID, build_byte_tokenizer
-from workers.data.verifiers import last_boxed, last_number
+from workers.rewards.scorer import Scorer
+from workers.rewards.verifiers import last_boxed, last_number
 from workers.roles.feeder import group_for
 
 pytestmark = pytest.mark.workers

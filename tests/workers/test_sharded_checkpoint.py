@@ -1,4 +1,4 @@
-"""Sharded checkpoints (`workers.training.sharded_checkpoint`): every rank writes its own shards in the background,
+"""Sharded checkpoints (`workers.checkpoints.sharded`): every rank writes its own shards in the background,
 any world size reads them back bit for bit, and nothing in them is pickled (real trainers on the tiny model; two
 ranks are two spawned processes under gloo with FSDP2)."""
 
@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from workers.checkpoints.sharded import STATE_FILE
 from workers.config import parse_config
 from workers.data.models import materialize
 from workers.errors import CheckpointRefused
-from workers.training.sharded_checkpoint import STATE_FILE
 from workers.training.trainer import PolicyTrainer
 
 pytestmark = [pytest.mark.workers, pytest.mark.timeout(300)]
@@ -81,14 +81,14 @@ def test_one_rank_round_trips_exactly_what_it_held_when_the_save_started(tmp_pat
     model_dir = materialize("tiny:64x2", tmp_path / "m", seed=2)
     trainer = trainer_at(model_dir, 2)
     at_save = full(trainer)
-    written = trainer.save_sharded(str(tmp_path / "ckpt-3"), EXTRA)
+    written = trainer.checkpoints.save_sharded(str(tmp_path / "ckpt-3"), EXTRA)
     moved(trainer)  # the next step, while the shards are written
     written.result(timeout=120)
     files = sorted(p.name for p in (tmp_path / "ckpt-3").iterdir())
     assert files == ["shard-00001-model-00001-of-00001.safetensors", STATE_FILE], files  # no pickle anywhere
 
     fresh = trainer_at(model_dir, 0)
-    assert fresh.restore_sharded(str(tmp_path / "ckpt-3")) == EXTRA
+    assert fresh.checkpoints.restore_sharded(str(tmp_path / "ckpt-3")) == EXTRA
     assert_same(full(fresh), at_save)
     assert fresh.scheduler.state_dict()["last_epoch"] == 2
     assert fresh.scheduler.get_last_lr() == trainer.scheduler.get_last_lr()
@@ -110,11 +110,11 @@ def _two_ranks(rank: int, port: int, model_dir: str, out: str) -> None:
         trainer = trainer_at(Path(model_dir), 2)
         assert trainer.world == 2
         at_save = full(trainer)
-        trainer.save_sharded(f"{out}/from-2", EXTRA)
+        trainer.checkpoints.save_sharded(f"{out}/from-2", EXTRA)
         moved(trainer)
-        trainer.sharded.wait()
+        trainer.checkpoints.wait()
         fresh = trainer_at(Path(model_dir), 0)
-        extra = fresh.restore_sharded(f"{out}/from-1")
+        extra = fresh.checkpoints.restore_sharded(f"{out}/from-1")
         loaded = full(fresh)
         if rank == 0:
             torch.save({"at_save": at_save, "loaded": loaded, "extra": extra}, f"{out}/rank0.pt")
@@ -126,13 +126,13 @@ def _two_ranks(rank: int, port: int, model_dir: str, out: str) -> None:
 def test_shards_of_two_ranks_load_on_one_and_one_ranks_load_on_two(tmp_path):
     model_dir = materialize("tiny:64x2", tmp_path / "m", seed=2)
     one = trainer_at(model_dir, 2)
-    one.save_sharded(str(tmp_path / "from-1"), EXTRA).result(timeout=120)
+    one.checkpoints.save_sharded(str(tmp_path / "from-1"), EXTRA).result(timeout=120)
     mp.spawn(_two_ranks, args=(_free_port(), str(model_dir), str(tmp_path)), nprocs=2, join=True)
 
     shards = sorted(p.name for p in (tmp_path / "from-2").iterdir() if p.suffix == ".safetensors")
     assert shards == [f"shard-0000{r}-model-00001-of-00001.safetensors" for r in (1, 2)], shards
     fresh = trainer_at(model_dir, 0)
-    assert fresh.restore_sharded(str(tmp_path / "from-2")) == EXTRA
+    assert fresh.checkpoints.restore_sharded(str(tmp_path / "from-2")) == EXTRA
     two = torch.load(tmp_path / "rank0.pt")  # written by the test's own child: a plain load
     assert_same(full(fresh), two["at_save"])  # 2 ranks -> 1: what the two ranks held at the save
     assert_same(two["at_save"], full(one))  # the same updates on 1 and 2 ranks give the same numbers
@@ -143,22 +143,22 @@ def test_shards_of_two_ranks_load_on_one_and_one_ranks_load_on_two(tmp_path):
 def test_a_sharded_checkpoint_is_read_without_pickle_and_a_broken_one_is_refused(tmp_path):
     model_dir = materialize("tiny:64x2", tmp_path / "m", seed=2)
     path = tmp_path / "ckpt-1"
-    trainer_at(model_dir, 1).save_sharded(str(path), EXTRA).result(timeout=120)
+    trainer_at(model_dir, 1).checkpoints.save_sharded(str(path), EXTRA).result(timeout=120)
     marker = tmp_path / "planted"
     (path / ".metadata").write_bytes(pickle.dumps({"x": _Planted(str(marker))}))  # DCP's usual metadata file
     fresh = trainer_at(model_dir, 0)
-    assert fresh.restore_sharded(str(path)) == EXTRA
+    assert fresh.checkpoints.restore_sharded(str(path)) == EXTRA
     assert not marker.exists(), "a pickle in the checkpoint was loaded"
 
     (path / STATE_FILE).write_text(json.dumps(["not", "a", "checkpoint"]))
     with pytest.raises(CheckpointRefused, match="is not a trainer checkpoint"):
-        fresh.restore_sharded(str(path))
+        fresh.checkpoints.restore_sharded(str(path))
     (path / STATE_FILE).unlink()
     with pytest.raises(CheckpointRefused, match=f"{STATE_FILE}"):
-        fresh.restore_sharded(str(path))
+        fresh.checkpoints.restore_sharded(str(path))
 
     other = tmp_path / "ckpt-2"
-    trainer_at(model_dir, 1).save_sharded(str(other), EXTRA).result(timeout=120)
+    trainer_at(model_dir, 1).checkpoints.save_sharded(str(other), EXTRA).result(timeout=120)
     next(other.glob("*.safetensors")).unlink()  # a shard lost
     with pytest.raises(CheckpointRefused, match="refused, not loaded"):
-        fresh.restore_sharded(str(other))
+        fresh.checkpoints.restore_sharded(str(other))

@@ -9,8 +9,8 @@ import pytest
 
 from schemas.parts import AudioPart, ImagePart, MediaRef, TextPart
 from workers.config import ExactReward
-from workers.data.rewards import Scorer, default_rewards
 from workers.data.tasks import TaskItem, load_task, prompt_text
+from workers.rewards.scorer import Scorer, default_rewards
 
 pytestmark = pytest.mark.workers
 

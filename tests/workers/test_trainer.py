@@ -12,6 +12,7 @@ from workers.data.tasks import load_task
 from workers.engines.base import SamplingSettings
 from workers.engines.torch_engine import TorchEngine
 from workers.roles.rollout import sample_of
+from workers.training import warmup as warmup_module
 from workers.training.batch import make_batch
 from workers.training.logprobs import token_logprobs
 from workers.training.trainer import PolicyTrainer
@@ -99,8 +100,8 @@ def test_warmup_keeps_its_best_checked_weights_when_accuracy_collapses(tmp_path,
         snapshots.append({k: v.clone() for k, v in trainer.model.state_dict().items()})
         return next(checks)
 
-    monkeypatch.setattr(trainer, "sampled_accuracy", accuracy)
-    info = trainer.warmup(load_task({"type": "addition", "seed": 0}))
+    monkeypatch.setattr(warmup_module, "sampled_accuracy", lambda trainer_, items: accuracy(items))
+    info = warmup_module.run_warmup(trainer, load_task({"type": "addition", "seed": 0}))
     assert info == {"warmup_steps": 6.0, "warmup_accuracy": 0.8}
     at_step_4, at_step_6 = snapshots[1], snapshots[2]
     state = trainer.model.state_dict()
@@ -113,14 +114,12 @@ def test_warmup_restores_the_optimizer_of_its_best_check_with_its_weights(tmp_pa
     those weights, step counter 4), not from a fresh one (counter 0) nor the collapsed one (counter 6): a fresh
     AdamW takes full-size first steps and left the demo's start policy much weaker (reward 0.09 -> 0.46 in 120
     steps instead of 0.16 -> 0.83)."""
-    import workers.training.warmup as warmup_module
-
     model_dir = materialize("tiny:64x2", tmp_path / "m", seed=2)
     warmup = {"max_steps": 6, "target_accuracy": 0.95, "check_every": 2, "batch_size": 8}
     config = parse_config({"run": "t", "trainer": {"warmup": {**warmup, "label_noise": 0.5, "noise_steps": 1}}})
     trainer = PolicyTrainer(model_dir, config)
     checks = iter([0.3, 0.8, 0.1, 0.2])  # steps 2, 4, 6, then after the noisy step
-    monkeypatch.setattr(trainer, "sampled_accuracy", lambda items: next(checks))
+    monkeypatch.setattr(warmup_module, "sampled_accuracy", lambda trainer_, items: next(checks))
     counters = []
     real_step = warmup_module._sft_step
 
@@ -130,5 +129,5 @@ def test_warmup_restores_the_optimizer_of_its_best_check_with_its_weights(tmp_pa
         return real_step(trainer_, opt, chosen)
 
     monkeypatch.setattr(warmup_module, "_sft_step", step)
-    trainer.warmup(load_task({"type": "addition", "seed": 0}))
+    warmup_module.run_warmup(trainer, load_task({"type": "addition", "seed": 0}))
     assert counters == [0, 1, 2, 3, 4, 5, 4]

@@ -24,7 +24,7 @@ import torch
 from relax_bus.errors import BlobCorrupt, BlobNotFound
 from tests.workers.test_shm_weights import assert_exact, sample_state
 from workers.weights import TRANSPORTS, SharedMemoryTransport, WeightTransport, make_transport
-from workers.weights_files import read_header
+from workers.weights.serialization import read_header
 
 pytestmark = pytest.mark.workers
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ import torch
 
 from workers.errors import WeightsBaseMismatch
 from workers.weights import make_transport
-from workers.weights_wire import MANIFEST, WireTransport
+from workers.weights.wire import MANIFEST, WireTransport
 
 pytestmark = pytest.mark.workers
 

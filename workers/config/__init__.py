@@ -6,7 +6,7 @@ unknown or misspelled plug-in, or an option a known one does not take, is refuse
 `relax run` alike, with every problem listed. The implementations live in registries keyed by the same names
 (`workers.engines.base.ENGINES`, `workers.training.advantages.ADVANTAGE_ESTIMATORS`,
 `workers.training.policy_losses.POLICY_LOSSES`, `workers.training.corrections.CORRECTIONS`,
-`workers.data.rewards.BUILTINS`, `workers.data.tasks.TASKS`, `workers.weights.TRANSPORTS`); a test
+`workers.rewards.scorer.BUILTINS`, `workers.data.tasks.TASKS`, `workers.weights.TRANSPORTS`); a test
 keeps each registry and its union equal. Each family's models are one module of this package
 (tasks, rewards, rollout, trainer, weights); adding a plug-in is its model there, one member of the
 union, and its implementation in the registry. Each field's docstring is its documentation
@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from relax_bus.chain import LIMITS_STREAMS
 from relax_bus.overrides import load_with_overrides
 from relax_bus.settings import RunConfig, parse_run_config
 from workers.config.base import Section
@@ -63,6 +64,7 @@ from workers.config.trainer import (
     WarmupConfig,
 )
 from workers.config.weights import BroadcastWeights, FilesystemWeights, ObjectStoreWeights, ShmWeights, WeightsConfig
+from workers.role_registry import ROLES, chain_of
 
 __all__ = [
     "AdditionOptions",
@@ -220,13 +222,17 @@ class PipelineConfig(RunConfig):
 
     @model_validator(mode="after")
     def _fill_chain(self) -> PipelineConfig:
-        from workers.roles.registry import chain_of
-
         chain = chain_of(self)
         if self.chain and self.chain != chain:
             raise ValueError("chain is derived from the role registry and the trainer settings; leave it out")
-        # The chain is a function of the other fields: set it on the frozen model once, here.
+        # Every hop a role of the registry reads, whichever optional roles this run has: a run without the
+        # reference role keeps its `scored` stream, so a run's streams do not depend on its settings.
+        hops = tuple(r.input for r in ROLES if r.input is not None and r.input not in LIMITS_STREAMS)
+        if self.hops and self.hops != hops:
+            raise ValueError("hops are derived from the role registry; leave them out")
+        # The chain and the hops are functions of the other fields: set them on the frozen model once, here.
         object.__setattr__(self, "chain", chain)
+        object.__setattr__(self, "hops", hops)
         return self
 
 

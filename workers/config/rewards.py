@@ -1,4 +1,4 @@
-"""Reward sections, one model per reward type; the scorer (`workers.data.rewards`) takes them as they are."""
+"""Reward sections, one model per reward type; the scorer (`workers.rewards.scorer`) takes them as they are."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from workers.config.base import Section, shorthand
 
 
 class _Weights(Section):
-    """What every weight transport takes: how many bytes a version puts on it (`workers.weights_wire`)."""
+    """What every weight transport takes: how many bytes a version puts on it (`workers.weights.wire`)."""
 
     delta: bool = False
     """From v1 on, send only the tensors whose bytes differ from v0's (frozen or untouched ones are taken from each

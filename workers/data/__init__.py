@@ -1,1 +1,1 @@
-"""Data: tasks (prompts and answers), rewards, tokenizers and model sources."""
+"""Data: tasks (prompts and answers), tokenizers and model sources."""

@@ -15,11 +15,9 @@ Known sources:
 
 from __future__ import annotations
 
+import importlib
 import json
-import os
 import re
-import shutil
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,19 +35,21 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from relax_bus.log import get_logger
+from workers.data.model_build import SOURCE_FILE, TINY_POSITIONS, build_in_code
 from workers.data.tokenizer import SPECIAL_IDS, build_byte_tokenizer
 
-log = get_logger(__name__)
-
-SOURCE_FILE = "relax_source.json"
 KNOWN_SOURCES = (
     "'tiny', 'tiny:<hidden>x<layers>' (e.g. 'tiny:128x2'), 'tiny-moe', 'tiny-omni', 'hf:<repo id>', "
     "or a local model directory"
 )
 TINY_HEADS = 4
-TINY_POSITIONS = 256
 _TINY = re.compile(r"tiny(?::(\d+)x(\d+))?")
+FAMILIES: dict[str, str] = {
+    "tiny-moe": "workers.moe.tiny:build_tiny_moe",
+    "tiny-omni": "workers.omni.tiny:build_tiny_omni",
+}
+"""Sources built in code by their family's package, as `module:function(target_dir, seed) -> directory`; the
+module is imported only when a run asks for that source (the media stack is not needed for text)."""
 
 
 def materialize(source: str, target_dir: Path, seed: int = 0) -> Path:
@@ -58,14 +58,10 @@ def materialize(source: str, target_dir: Path, seed: int = 0) -> Path:
     if tiny:
         hidden, layers = (int(tiny[1]), int(tiny[2])) if tiny[1] else (128, 2)
         return _build_tiny(hidden, layers, Path(target_dir), seed)
-    if source == "tiny-moe":
-        from workers.moe.tiny import build_tiny_moe
-
-        return build_tiny_moe(Path(target_dir), seed)
-    if source == "tiny-omni":
-        from workers.omni.tiny import build_tiny_omni  # imported on demand: the media stack is not needed for text
-
-        return build_tiny_omni(Path(target_dir), seed)
+    if source in FAMILIES:
+        module, _, name = FAMILIES[source].partition(":")
+        build: Callable[[Path, int], Path] = getattr(importlib.import_module(module), name)
+        return build(Path(target_dir), seed)
     if source.startswith("hf:"):
         return _point_at_hub(source.removeprefix("hf:"), Path(target_dir))
     path = Path(source).expanduser()
@@ -115,70 +111,6 @@ def _build_tiny(hidden: int, layers: int, target_dir: Path, seed: int) -> Path:
     return build_in_code(
         {"source": f"tiny:{hidden}x{layers}", "seed": seed}, lambda: LlamaForCausalLM(config), target_dir
     )
-
-
-def build_in_code(record: dict[str, Any], make: Callable[[], PreTrainedModel], target_dir: Path) -> Path:
-    """Build a model with `make()` (seeded by `record["seed"]`), save it with the byte tokenizer into `target_dir`
-    and return that directory; a directory that already holds the same build is reused."""
-    if holds_build(target_dir, record):
-        return target_dir
-    staging = staging_dir(target_dir)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(record["seed"]))
-        model = make()
-    hf_logging.disable_progress_bar()
-    model.save_pretrained(staging, safe_serialization=True)
-    build_byte_tokenizer().save_pretrained(staging)
-    # transformers writes no config or weights on a torch.distributed rank other than 0: such a directory
-    # must never become the model of the run (every role would find it without config.json).
-    missing = [name for name in ("config.json", "model.safetensors") if not (staging / name).is_file()]
-    if missing:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise RuntimeError(
-            f"building {record['source']} saved no {', '.join(missing)} (a torch.distributed rank other than 0 "
-            "cannot save a model): build it on rank 0 and let the other ranks wait for it"
-        )
-    if install_build(staging, target_dir, record):
-        params = sum(p.numel() for p in model.parameters())
-        log.info("model_built", source=record["source"], seed=record["seed"], params=params, dir=str(target_dir))
-    return target_dir
-
-
-def staging_dir(target_dir: Path) -> Path:
-    """An empty directory beside `target_dir` to save a build into (unique per build: processes in containers
-    sharing a volume all run as pid 1)."""
-    staging = target_dir.parent / f".{target_dir.name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    shutil.rmtree(staging, ignore_errors=True)
-    return staging
-
-
-def install_build(staging: Path, target_dir: Path, record: dict[str, Any]) -> bool:
-    """Mark `staging` with the build `record` and move it to `target_dir`, whole or not at all. False when
-    another process installed the same build first (this one is then discarded)."""
-    (staging / SOURCE_FILE).write_text(json.dumps(record))
-    target_dir.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        if target_dir.is_dir() and not any(target_dir.iterdir()):
-            target_dir.rmdir()
-        staging.rename(target_dir)
-    except OSError:
-        # Tolerated: another process built the same directory first; it is checked just below.
-        shutil.rmtree(staging, ignore_errors=True)
-        if not holds_build(target_dir, record):
-            raise
-        return False
-    return True
-
-
-def holds_build(target_dir: Path, record: dict[str, Any]) -> bool:
-    """True when `target_dir` already holds the build `record` describes; ValueError for another model."""
-    if not (target_dir / "config.json").is_file():
-        return False
-    marker = target_dir / SOURCE_FILE
-    found = json.loads(marker.read_text()) if marker.is_file() else None
-    if found != record:
-        raise ValueError(f"{target_dir} already holds another model ({found or 'unknown source'}), not {record}")
-    return True
 
 
 def _point_at_hub(repo: str, target_dir: Path) -> Path:

@@ -17,7 +17,7 @@ class TaskItem:
     parts: tuple[Part, ...]
     answer: str | None
     task: str
-    """Task name; it names the default reward (see `workers.data.rewards.default_rewards`)."""
+    """Task name; it names the default reward (see `workers.rewards.scorer.default_rewards`)."""
     index: int
     """Row of the dataset, 0-based, in the order returned."""
     history: tuple[ChatTurn, ...] = ()

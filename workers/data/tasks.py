@@ -3,17 +3,19 @@
 Built-in types: `addition` and `reverse` (synthetic, verifiable, small enough for a tiny model),
 `jsonl` (one prompt per line, with optional image/audio/video parts; `workers.data.jsonl_task`), `hf` (a
 local dataset file or directory through Hugging Face `datasets`: parquet, JSON Lines, CSV, arrow, or a
-`save_to_disk` directory, with field mapping) and `omni` (image, audio and video questions generated in code).
+`save_to_disk` directory, with field mapping) and `omni` (image, audio and video questions generated in code:
+`workers.omni.tasks.omni_task`).
 Adding a type is one loader function plus one line in `TASKS`.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import random
 import string
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -219,37 +221,28 @@ def _hf_answer(row: dict[str, Any], field: str, pattern: Any) -> str:
     return str(found.group(1) if found.groups() else found.group()).strip()
 
 
-def omni(kinds: Sequence[str] = ("colour", "beeps", "change"), count: int = 64, seed: int = 0) -> list[TaskItem]:
-    """`count` generated items of each kind (`workers.omni.tasks`: an image, audio or video part and a question),
-    interleaved kind by kind; the task name of each item is its kind."""
-    from workers.omni.tasks import KINDS, item_parts, make_items  # the media stack only for this task
-
-    unknown = [k for k in kinds if k not in KINDS]
-    if unknown or not kinds:
-        raise ValueError(f"omni: unknown kinds {unknown or list(kinds)}; known: {', '.join(KINDS)}")
-    if count < 1:
-        raise ValueError(f"omni: count must be at least 1, got {count}")
-    made = [make_items(kind, count, seed + k) for k, kind in enumerate(kinds)]  # type: ignore[arg-type]
-    rows = [made[k][i] for i in range(count) for k in range(len(kinds))]
-    return [TaskItem(item_parts(it), it.answer, it.kind, i) for i, it in enumerate(rows)]
-
-
-TASKS: dict[str, Callable[..., list[TaskItem]]] = {
+TASKS: dict[str, Callable[..., list[TaskItem]] | str] = {
     "addition": addition,
     "reverse": reverse,
     "jsonl": jsonl,
     "hf": hf,
-    "omni": omni,
+    "omni": "workers.omni.tasks:omni_task",
 }
+"""Task loaders by `task.type`; a `module:function` one is imported when a run loads that task (`omni`: the media
+stack only for it)."""
 
 
 def load_task(spec: Mapping[str, Any]) -> list[TaskItem]:
     """Load the task whose loader `spec["type"]` names, with the other keys as its options."""
     options = dict(spec)
     kind = options.pop("type", None)
-    loader = TASKS.get(kind) if isinstance(kind, str) else None
-    if loader is None:
+    entry = TASKS.get(kind) if isinstance(kind, str) else None
+    if entry is None:
         raise ValueError(f"unknown task type {kind!r}; known types: {', '.join(sorted(TASKS))}")
+    if isinstance(entry, str):
+        module, _, name = entry.partition(":")
+        entry = getattr(importlib.import_module(module), name)
+    loader: Callable[..., list[TaskItem]] = entry
     try:
         inspect.signature(loader).bind(**options)
     except TypeError as err:

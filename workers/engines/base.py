@@ -19,16 +19,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from relax_bus.log import get_logger
+from workers.omni.inputs import MediaInputs
 
 if TYPE_CHECKING:
     import numpy
     import torch
 
 log = get_logger(__name__)
-
-MediaInputs = dict[str, "torch.Tensor"]
-"""The processor's tensors for one prompt: input_ids [1, T], attention_mask [1, T] and its media tensors
-(pixel_values, image_grid_thw, input_features, feature_attention_mask, pixel_values_videos, video_grid_thw, ...)."""
 
 ENGINES: dict[str, str] = {
     "torch": "workers.engines.torch_engine:TorchEngine",

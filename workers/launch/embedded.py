@@ -1,7 +1,7 @@
 """The NATS server `relax run` starts for a run, secured and kept alive.
 
 Secure by default: the server runs with one least-privilege user per role of the run's chain (plus
-admin and observer, `relax_bus.auth`), written by `relax_bus.credentials.write_bundle` into
+admin and observer, `relax_bus.ops.auth`), written by `relax_bus.ops.credentials.write_bundle` into
 `<run dir>/auth` (0600 files, bcrypt hashes only in the server's config). The launcher connects as
 admin; each role process is given only its own user's RELAX_* variables. Credentials are new for every
 `relax run`; `<run dir>/auth/observer.env` lets `relax inspect` look at the run while it trains.
@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from relax_bus.credentials import Bundle, write_bundle
 from relax_bus.errors import NatsServerFailed
-from relax_bus.server import EmbeddedServer
+from relax_bus.ops.credentials import Bundle, write_bundle
+from relax_bus.ops.server import EmbeddedServer
 from relax_bus.settings import ConnectionSettings, RunConfig
 from workers.errors import RunFailed
 
@@ -103,7 +103,7 @@ def settings_from_env(env: dict[str, str], nats_url: str) -> ConnectionSettings:
 def serve_run_dir(run_dir: Path) -> tuple[EmbeddedServer, ConnectionSettings]:
     """A started server on the store of a `relax run` that has ended, and how its admin connects.
 
-    The run's streams live in its own account (`relax_bus.credentials`), so the store is served with
+    The run's streams live in its own account (`relax_bus.ops.credentials`), so the store is served with
     the run's users again (`<run dir>/auth`); a store written without them is served as it was."""
     auth = run_dir / "auth"
     conf = auth / "nats-server.conf"

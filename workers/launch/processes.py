@@ -4,12 +4,13 @@ e2e and chaos tests and the pipeline benchmarks share.
 `RunProcesses` starts every role of the run's chain as a `relax worker` process (the command lines come
 from the role registry: process counts, torchrun ranks), each with its own log file; stops them by PID
 in reverse order (SIGTERM, then SIGKILL after a grace period); kills and restarts one on request; asks
-them for their stacks (SIGUSR1); and supervises them: a role that exits 0 by itself is finished, one
-that fails is restarted with backoff (reset once it has stayed up for `STABLE_S`), and the run fails
-only when one role fails more than `MAX_RESTARTS` times within `RESTART_WINDOW_S` with no progress of
-the run in between (a crash loop, as systemd's restart limit and Kubernetes' back-off see it; a role
-that keeps failing while the run trains on is recovering each time); once the run has ended, nothing
-is restarted or counted.
+them for their stacks (SIGUSR1); and supervises them: a role that exits 0 by itself is finished, one that
+exits 2 (`relax_bus.errors.EXIT_REFUSED`: its config cannot work, a restart would fail the same way) ends the
+run at once with its error (`RoleRefused`), one that fails otherwise is restarted with backoff (reset once it
+has stayed up for `STABLE_S`), and the run fails only when one role fails more than `MAX_RESTARTS` times
+within `RESTART_WINDOW_S` with no progress of the run in between (a crash loop, as systemd's restart limit
+and Kubernetes' back-off see it; a role that keeps failing while the run trains on is recovering each time);
+once the run has ended, nothing is restarted or counted.
 `follow_events` yields the run's events.
 """
 
@@ -26,17 +27,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import nats.errors
-from nats.js import api
-
 from relax_bus.bus import Bus
-from relax_bus.server import free_port, log_tail, stop_process
+from relax_bus.errors import EXIT_REFUSED
+from relax_bus.follow import Follower
+from relax_bus.ops.server import free_port, log_tail, stop_process
 from relax_bus.settings import ConnectionSettings, has_secret
-from schemas import Message, decode
+from schemas import Message
 from workers.config import PipelineConfig
-from workers.errors import RunFailed
-from workers.launch import torchrun
-from workers.roles.registry import ROLES, role_def
+from workers.errors import RoleRefused, RunFailed
+from workers.role_registry import ROLES, role_def
+from workers.roles import torchrun
 
 _PREFIX = str(ConnectionSettings.model_config.get("env_prefix", "")).upper()
 CONNECTION_VARIABLES = frozenset(f"{_PREFIX}{name.upper()}" for name in ConnectionSettings.model_fields)
@@ -49,6 +49,8 @@ MAX_RESTARTS = 5
 RESTART_WINDOW_S = 120.0
 STABLE_S = 60.0
 """A role that stayed up this long starts its backoff from the first delay again."""
+ERROR_PREFIX = "relax: error: "
+"""How `relax worker` starts the line of the error that ended it (`relax_bus.ops.cli.main`)."""
 
 
 @dataclass
@@ -102,6 +104,14 @@ class RoleProcess:
 
     def log_tail(self, lines: int = 8) -> str:
         return log_tail(self.log_path, lines)
+
+    def refusal(self) -> str:
+        """Why it refused to run: its last `relax: error: ...` and the problem lines after it, else its log's tail."""
+        lines = log_tail(self.log_path, 60).splitlines()
+        starts = [i for i, line in enumerate(lines) if line.startswith(ERROR_PREFIX)]
+        if not starts:
+            return f"its log ({self.log_path}) ends with:\n{self.log_tail()}"
+        return "\n".join(lines[starts[-1] :]).removeprefix(ERROR_PREFIX)
 
 
 def role_commands(config: PipelineConfig, url: str, work_dir: Path) -> list[tuple[str, int, list[str]]]:
@@ -228,6 +238,8 @@ class RunProcesses:
             return
         now = time.monotonic() if now is None else now
         for role, code in self.failed():
+            if code == EXIT_REFUSED:  # its config cannot work: a restart would fail the same way
+                raise RoleRefused(f"{role.label} exited with {code} and is not restarted: {role.refusal()}")
             if role.next_start == 0.0:  # a failure not seen yet
                 if now - role.started_at >= STABLE_S:
                     role.backoff = 0
@@ -258,45 +270,16 @@ async def follow_events(
 ) -> AsyncIterator[Message | None]:
     """The run's events from the start, decoded; None after `idle_s` without one (a chance to look around).
 
-    When `reconnected` is set (the connection came back after an outage) the subscription is made again
-    from the event after the last one seen, at once, instead of waiting for the ordered consumer to notice
-    its missed heartbeats. Iterate it inside `contextlib.aclosing(...)`, so that leaving the loop early
+    Read by the bus's `Follower` on an ordered consumer (an event that does not decode is passed over). When
+    `reconnected` is set (the connection came back after an outage) the subscription is made again from the
+    event after the last one received, at once, instead of waiting for the ordered consumer to notice its
+    missed heartbeats. Iterate it inside `contextlib.aclosing(...)`, so that leaving the loop early
     unsubscribes at once."""
-    queue: asyncio.Queue[Any] = asyncio.Queue()
-    subject = bus.topology.subject("events")
-    last = 0  # stream sequence of the last event yielded
-
-    async def subscribe() -> Any:
-        config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=last + 1)
-        return await bus.js.subscribe(subject, ordered_consumer=True, cb=queue.put, config=config)
-
-    sub = await subscribe()
-    try:
+    async with Follower.ordered(bus, "events", reconnected=reconnected).reading() as follower:
         while True:
-            if reconnected is not None and reconnected.is_set():
-                reconnected.clear()
-                await _unsubscribe(sub)
-                while not queue.empty():  # what the old subscription delivered and was not yet taken
-                    msg = queue.get_nowait()
-                    if msg.metadata.sequence.stream > last:
-                        last = msg.metadata.sequence.stream
-                        yield decode(msg.data)
-                sub = await subscribe()
-            try:
-                msg = await asyncio.wait_for(queue.get(), timeout=idle_s)
-            except TimeoutError:
+            batch = await follower.next_batch(idle_s)
+            if not batch:
                 yield None
-                continue
-            if msg.metadata.sequence.stream <= last:
-                continue  # seen already (the old subscription and the new one overlapped)
-            last = msg.metadata.sequence.stream
-            yield decode(msg.data)
-    finally:
-        await _unsubscribe(sub)
-
-
-async def _unsubscribe(sub: Any) -> None:
-    try:
-        await sub.unsubscribe()
-    except nats.errors.Error:
-        pass  # tolerated: the connection closed first, and the subscription with it
+            for _, event in batch:
+                if event is not None:
+                    yield event

@@ -132,10 +132,7 @@ async def replay(bus: Bus, step: int, work_dir: Path) -> Replay:
     def compute() -> dict[str, float]:
         torch.set_num_threads(1)  # as the actor ran (`relax worker --threads 1`): same reduction order
         trainer = PolicyTrainer(model_dir, cfg)
-        if "dir" in found:
-            trainer.restore_sharded(found["dir"])
-        else:
-            trainer.restore(data)
+        trainer.checkpoints.restore_recorded(found, data)
         for groups in batches[:-1]:
             trainer.step(groups)
         return trainer.step(batches[-1])

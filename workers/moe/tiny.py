@@ -12,7 +12,7 @@ from pathlib import Path
 
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from workers.data.models import TINY_POSITIONS, build_in_code
+from workers.data.model_build import TINY_POSITIONS, build_in_code
 from workers.data.tokenizer import SPECIAL_IDS, build_byte_tokenizer
 
 SOURCE = "tiny-moe"

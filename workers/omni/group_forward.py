@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from workers.engines.base import MediaInputs
+from workers.omni.inputs import MediaInputs
 from workers.omni.logprobs import mask_tokens, media_tensors, media_token_ids, rope_positions, scored_logprobs
 
 

@@ -19,9 +19,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from workers.engines.base import MediaInputs
 from workers.omni.errors import UnsupportedModelError
-from workers.training.logprobs import padded_rows, response_slices
+from workers.omni.inputs import MediaInputs
 
 MEDIA_TOKEN_FIELDS = (
     "image_token_id",
@@ -143,26 +142,3 @@ def scored_logprobs(
     if suppressed.numel():
         real &= ~torch.isin(targets, suppressed.to(targets.device))
     return torch.where(real, out, torch.zeros_like(out))
-
-
-def media_response_logprobs(
-    model: nn.Module,
-    prompt: MediaInputs,
-    responses: list[list[int]],
-    temperature: float = 1.0,
-    suppressed: torch.Tensor | None = None,
-) -> list[torch.Tensor]:
-    """Log-probs of each response's tokens after one media prompt: one 1-D float32 tensor [len(response)] each.
-
-    The responses share the prompt and its media: one right-padded batch of n rows, the media repeated n times.
-    """
-    if not responses:
-        return []
-    prompt_ids = prompt["input_ids"][0].tolist()
-    device = next(model.parameters()).device
-    if (rows := padded_rows(prompt_ids, responses, device)) is None:
-        return [torch.zeros(0, dtype=torch.float32, device=device) for _ in responses]
-    ids, mask = rows
-    media = batch_media([prompt] * len(responses))
-    logps = media_token_logprobs(model, ids, mask, media, temperature, suppressed)  # [n, T-1]
-    return response_slices(logps, len(prompt_ids), responses)

@@ -24,8 +24,8 @@ import torch
 from PIL import Image
 
 from schemas.parts import AudioPart, ImagePart, MediaRef, Part, TextPart, VideoPart
-from workers.engines.base import MediaInputs
 from workers.omni.errors import MediaError
+from workers.omni.inputs import MediaInputs
 
 FRAMES_MIME = "video/x-npy-frames"
 """A clip as the bytes of `np.save(frames)`, frames uint8 [T, H, W, 3]: video without a container decoder."""

@@ -1,6 +1,6 @@
 """A multimodal model's processor as the rollout role and the trainer use it: a prompt's parts -> the tensors
 of one forward (`workers.omni.media`), with the time it took counted. Payloads that live in the media store
-are read beforehand (`workers.data.media_refs.PayloadCache`); the rollout's expanded prompt ids are what the
+are read beforehand (`workers.omni.media_refs.PayloadCache`); the rollout's expanded prompt ids are what the
 trainer checks its own processor output against, so both sides score the same sequence.
 """
 
@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from schemas.parts import MediaRef, Part
-from workers.data.media_refs import read_uri
-from workers.engines.base import MediaInputs
 from workers.omni.errors import MediaError
+from workers.omni.inputs import MediaInputs
 from workers.omni.media import MediaLimits, decode_parts, processor_inputs
+from workers.omni.media_refs import read_uri
 
 
 class MediaPrompter:

@@ -17,12 +17,14 @@ answer from the decoded media, so tests can check that media and answers agree.
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
 from schemas.parts import AudioPart, ImagePart, Part, TextPart, VideoPart
+from workers.data.task_items import TaskItem
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 30, 30),
@@ -225,3 +227,16 @@ def item_parts(item: OmniItem) -> tuple[Part, ...]:
         audio = AudioPart(mime="audio/wav", inline=item.audio, sample_rate=SAMPLE_RATE, duration_s=1.0)
         return (media, audio, TextPart(text=item.question))
     return (media, TextPart(text=item.question))
+
+
+def omni_task(kinds: Sequence[str] = ("colour", "beeps", "change"), count: int = 64, seed: int = 0) -> list[TaskItem]:
+    """The `omni` task (`workers.data.tasks.TASKS`): `count` generated items of each kind (an image, audio or video
+    part and a question), interleaved kind by kind; the task name of each item is its kind."""
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"omni: unknown kinds {unknown or list(kinds)}; known: {', '.join(KINDS)}")
+    if count < 1:
+        raise ValueError(f"omni: count must be at least 1, got {count}")
+    made = [make_items(kind, count, seed + k) for k, kind in enumerate(kinds)]  # type: ignore[arg-type]
+    rows = [made[k][i] for i in range(count) for k in range(len(kinds))]
+    return [TaskItem(item_parts(it), it.answer, it.kind, i) for i, it in enumerate(rows)]

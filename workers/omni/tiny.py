@@ -28,7 +28,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from relax_bus.log import get_logger
-from workers.data.models import holds_build, install_build, staging_dir
+from workers.data.model_build import holds_build, install_build, staging_dir
 from workers.data.tokenizer import BOS, BOS_ID, EOS, EOS_ID, PAD, PAD_ID, SPECIAL_IDS, _byte_alphabet
 from workers.omni import video
 from workers.omni.tasks import ANSWER_WORDS

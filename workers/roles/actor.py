@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -39,17 +39,17 @@ from relax_bus.control import Reject, Skip
 from relax_bus.delivery import Delivery, WorkerOptions
 from relax_bus.log import get_logger
 from relax_bus.outage import through_outage
-from relax_bus.stale_filter import DROPPED_KEY, admit_fresh
 from relax_bus.staleness import Decision
-from relax_bus.state_keys import TRAINER_DONE, TRAINER_STEP
 from schemas import Metric, RunEvent, TrainGroup
 from workers.config import PipelineConfig, task_spec
 from workers.roles.actor_checkpoint import ActorCheckpoints, checkpoint_record, clear_cut_off_dirs
 from workers.roles.actor_media import ActorMedia
 from workers.roles.actor_state import ActorState
 from workers.roles.serve import RoleContext
+from workers.roles.stale_groups import admit_fresh
+from workers.state_keys import GROUPS_DROPPED, TRAINER_DONE, TRAINER_STEP
 from workers.training.devices import reads_ahead
-from workers.training.distributed import DrivenTrainer
+from workers.training.distributed import DrivenTrainer, warm_up
 from workers.training.trainer import PolicyTrainer
 from workers.weights import WeightTransport
 
@@ -112,18 +112,8 @@ async def serve(ctx: RoleContext) -> None:
             if isinstance(trainer, DrivenTrainer):
                 trainer.stop()
 
-    heartbeat = actor.worker.heartbeat  # from the start: the warm-up can take minutes
-    await heartbeat.beat()
-    heartbeat.start()
-    try:
+    async with actor.worker.alive():  # the heartbeat from the start: the warm-up can take minutes
         await body()
-    finally:
-        await heartbeat.stop(remove=True)
-
-
-async def _stop_when(stop: asyncio.Event, action: Callable[[], None]) -> None:
-    await stop.wait()
-    action()
 
 
 class Actor:
@@ -158,7 +148,7 @@ class Actor:
         """How long the last finished background publish took."""
         self._holding: set[int] = set()
         """Release indices of the groups held for the step being collected."""
-        self.checkpoints = ActorCheckpoints(bus, trainer)
+        self.checkpoints = ActorCheckpoints(bus, trainer.checkpoints)
         self.media = ActorMedia(getattr(trainer, "prompter", None), bus.media)
         """Processor tensors of the held media groups (a multimodal policy)."""
 
@@ -179,10 +169,7 @@ class Actor:
             self.state = ActorState.from_extra(await self.checkpoints.restore(record))
             # Versions published after that checkpoint stay taken: the next update gets a new number.
             self.state.version = max(self.state.version, current)
-            await through_outage(
-                lambda: self.bus.js.reset_consumer(self.stream, self.durable, seq=self.state.floor + 1),
-                "rewind the train consumer",
-            )
+            await self.worker.rewind(self.state.floor + 1)
             # Drops after the checkpoint are judged again (and counted again) as the consumer replays them.
             await self._put_dropped()
             log.info("actor_resumed", step=self.state.step, version=self.state.version, floor=self.state.floor)
@@ -192,9 +179,9 @@ class Actor:
             state = await self.transport.fetch(0)
             await asyncio.to_thread(self.trainer.load_full, state)
             self.state.version = current
-            await self.bus.js.reset_consumer(self.stream, self.durable, seq=1)
+            await self.worker.rewind(1)
         else:
-            info = await asyncio.to_thread(self.trainer.warmup, warmup_items)
+            info = await asyncio.to_thread(warm_up, self.trainer, warmup_items)
             log.info("warmup_done", **info)
             await self._event("warmup_done", **info)
             await self._publish_weights(0)
@@ -208,11 +195,9 @@ class Actor:
             self.worker.policy_version = self.state.version
             if self.period_start is None:
                 self.period_start = time.perf_counter()
-            stopper = asyncio.create_task(_stop_when(stop, self.worker.stop))
             try:
-                await self.worker.run()
+                await self.worker.run(stop=stop)
             finally:
-                stopper.cancel()
                 await self._published()  # the last version is readable before the run says it is done
         await self.checkpoints.wait()  # and the last checkpoint is whole
         if self.state.step >= self.cfg.trainer.steps:
@@ -222,8 +207,8 @@ class Actor:
 
     async def admit(self, group: TrainGroup, delivery: Delivery, held: Sequence[Held[TrainGroup]]) -> None:
         """Hold a fresh group for the step; `Skip` a copy, and let the staleness rule drop or requeue."""
-        attempt_key = f"{group.group_id}/{group.scored.rollout.prompt.attempt}"
-        index = group.scored.rollout.prompt.release_index
+        attempt_key = f"{group.group_id}/{group.prompt.attempt}"
+        index = group.prompt.release_index
         if not held:
             self._holding.clear()  # a new step's collection
         if index in self.state.trained or attempt_key in self.state.settled or index in self._holding:
@@ -252,7 +237,7 @@ class Actor:
         version = self.state.version
         lags = collections.Counter(version - h.message.policy_version for h in batch)
         # In release order, not arrival order: the update does not depend on which worker answered first.
-        groups = sorted((h.message for h in batch), key=lambda g: g.scored.rollout.prompt.release_index)
+        groups = sorted((h.message for h in batch), key=lambda g: g.prompt.release_index)
         metrics, snapshot, snapshot_s = await asyncio.to_thread(
             self._train_and_snapshot, groups, version, self.media.take(groups)
         )
@@ -264,7 +249,7 @@ class Actor:
         self._publishing = asyncio.create_task(publish, name="publish-weights")
         self.worker.policy_version = self.state.version
         for g in groups:
-            self.state.trained.add(g.scored.rollout.prompt.release_index)
+            self.state.trained.add(g.prompt.release_index)
         if self._publish_s is not None:
             metrics = {**metrics, "weight_publish_s": self._publish_s}
         if self.checkpoints.save_s is not None and self.checkpoints.path_s is not None:
@@ -384,10 +369,10 @@ class Actor:
         await self.checkpoints.start(self.state.to_extra(), self.state.step, self.state.version, floor)
 
     async def _put_dropped(self) -> None:
-        await self._put(DROPPED_KEY, str(self.state.dropped))
+        await self._put(GROUPS_DROPPED, str(self.state.dropped))
 
     async def _put(self, key: str, value: str) -> None:
-        await through_outage(lambda: self.bus.state.put(key, value.encode()), f"write {key}")
+        await self.bus.run_state.put(key, value.encode())
 
     async def _event(self, event: str, **fields: Any) -> None:
         await self.bus.publish("events", RunEvent(run=self.bus.run, event=event, source="actor", fields=fields))

@@ -3,7 +3,7 @@
 
 A checkpoint is either one object in the weights store (`ckpt-<step>`, the whole state gathered on rank 0)
 or, with `trainer.checkpoint_dir`, a directory `<checkpoint_dir>/<run>/ckpt-<step>` of every rank's shards
-(`workers.training.sharded_checkpoint`); the record says which (`object` or `dir`)."""
+(`workers.checkpoints.sharded`); the record says which (`object` or `dir`)."""
 
 from __future__ import annotations
 
@@ -17,24 +17,21 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import nats.js.errors
-
 from relax_bus.bus import Bus
 from relax_bus.log import get_logger
 from relax_bus.outage import through_outage
-from relax_bus.state_keys import TRAINER_CHECKPOINT
 from workers.roles.actor_state import CHECKPOINT_PREFIX, checkpoint_step, retain_checkpoints
+from workers.state_keys import TRAINER_CHECKPOINT
 
 log = get_logger(__name__)
 
 
 async def checkpoint_record(bus: Bus) -> dict[str, Any] | None:
     """The record of the newest complete checkpoint, or None before the first."""
-    try:
-        entry = await through_outage(lambda: bus.state.get(TRAINER_CHECKPOINT), "read checkpoint record")
-    except nats.js.errors.KeyNotFoundError:
+    value = await bus.run_state.get(TRAINER_CHECKPOINT)
+    if value is None:
         return None
-    return json.loads(entry.value or b"{}") or None
+    return json.loads(value or b"{}") or None
 
 
 async def kept_checkpoints(bus: Bus) -> dict[int, dict[str, str]]:
@@ -79,9 +76,7 @@ async def _record(bus: Bus, where: dict[str, str], name: str, step: int, version
     old = await checkpoint_record(bus) or {}
     kept, pruned = retain_checkpoints([*old.get("kept", [old.get("object")]), name], bus.config.trainer)
     record = {**where, "step": step, "version": version, "floor": floor, "kept": kept}
-    await through_outage(
-        lambda: bus.state.put(TRAINER_CHECKPOINT, json.dumps(record).encode()), f"write {TRAINER_CHECKPOINT}"
-    )
+    await bus.run_state.put(TRAINER_CHECKPOINT, json.dumps(record).encode())
     root = sharded_root(bus)
     for gone in pruned:
         if root is not None:
@@ -107,9 +102,11 @@ class ActorCheckpoints:
     """The actor's checkpoints: staged at the step, written and recorded in the background, one at a time. The
     KV record names a checkpoint only once it is whole, so a crash mid-save resumes from the previous one."""
 
-    def __init__(self, bus: Bus, trainer: Any) -> None:
+    def __init__(self, bus: Bus, checkpoints: Any) -> None:
         self.bus = bus
-        self.trainer = trainer
+        self.checkpoints = checkpoints
+        """The trainer's checkpoints (`workers.checkpoints.trainer_state.TrainerCheckpoints`, mirrored on every rank
+        under torchrun)."""
         self.saving: asyncio.Task[None] | None = None
         """The save in progress."""
         self.path_s: float | None = None
@@ -124,10 +121,10 @@ class ActorCheckpoints:
         save: Coroutine[Any, Any, dict[str, Any]]
         if sharded_root(self.bus) is not None:  # every rank stages its shards, then writes them in a thread
             path = str(sharded_path(self.bus, step))
-            written = await asyncio.to_thread(self.trainer.save_sharded, path, extra)
+            written = await asyncio.to_thread(self.checkpoints.save_sharded, path, extra)
             save = self._record_sharded(written, step, version, floor)
         else:
-            state = await asyncio.to_thread(self.trainer.checkpoint_state, extra)
+            state = await asyncio.to_thread(self.checkpoints.state, extra)
             save = self._upload(state, step, version, floor)
         self.path_s = time.perf_counter() - started
         self.saving = asyncio.create_task(self._timed(save), name="save-checkpoint")
@@ -141,9 +138,9 @@ class ActorCheckpoints:
     async def restore(self, record: dict[str, Any]) -> dict[str, Any]:
         """Load the recorded checkpoint (a directory of shards, or one object of the weights store); its extra."""
         if "dir" in record:
-            return await asyncio.to_thread(self.trainer.restore_sharded, record["dir"])
+            return await asyncio.to_thread(self.checkpoints.restore_sharded, record["dir"])
         data = await through_outage(lambda: self.bus.weights.get(record["object"]), "read checkpoint")
-        return await asyncio.to_thread(self.trainer.restore, data)
+        return await asyncio.to_thread(self.checkpoints.restore, data)
 
     async def _timed(self, save: Coroutine[Any, Any, dict[str, Any]]) -> None:
         started = time.perf_counter()
@@ -152,7 +149,7 @@ class ActorCheckpoints:
         log.info("checkpoint_saved", seconds=round(self.save_s, 3), **record)
 
     async def _upload(self, state: dict[str, Any], step: int, version: int, floor: int) -> dict[str, Any]:
-        data = await asyncio.to_thread(self.trainer.serialize_checkpoint, state)
+        data = await asyncio.to_thread(self.checkpoints.serialize, state)
         del state
         return await store_checkpoint(self.bus, data, step, version, floor)
 

@@ -18,9 +18,9 @@ from typing import Any
 from relax_bus.blobs import BlobStore
 from relax_bus.control import Reject
 from schemas import TrainGroup
-from workers.data.media_refs import PayloadCache, has_media, media_bytes, modality
 from workers.engines.base import MediaInputs
 from workers.omni.errors import MediaError
+from workers.omni.media_refs import PayloadCache, has_media, media_bytes, modality
 
 
 class ActorMedia:
@@ -36,7 +36,7 @@ class ActorMedia:
     async def admit(self, group: TrainGroup) -> None:
         """Compute and keep the tensors of a group the step holds (a media prompt only); Reject media that cannot
         be used."""
-        prompt = group.scored.rollout.prompt
+        prompt = group.prompt
         if self.prompter is None or not has_media(prompt.parts):
             return
         try:
@@ -53,14 +53,14 @@ class ActorMedia:
 
     def take(self, groups: Sequence[TrainGroup]) -> list[MediaInputs | None]:
         """The tensors of the step's groups, in order (None for a text prompt), no longer held."""
-        return [self.held.pop(g.scored.rollout.prompt.release_index, None) for g in groups]
+        return [self.held.pop(g.prompt.release_index, None) for g in groups]
 
     def metrics(self, groups: Sequence[TrainGroup]) -> dict[str, float]:
         """`reward/<modality>` means of the step's groups, media bytes and processor seconds since the last call;
         nothing for a run without media."""
         by_modality: dict[str, list[float]] = defaultdict(list)
         for g in groups:
-            by_modality[modality(g.scored.rollout.prompt.parts)].extend(g.scored.rewards)
+            by_modality[modality(g.prompt.parts)].extend(g.scored.rewards)
         if set(by_modality) <= {"text"}:
             return {}
         out = {f"reward/{name}": statistics.fmean(values) for name, values in sorted(by_modality.items())}

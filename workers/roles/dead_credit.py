@@ -1,7 +1,7 @@
 """Credit for dead-lettered groups: a released group that a stage dead-lettered will never train.
 
-The feeder follows the run's dlq stream from its start (an ordered consumer, so a restarted feeder
-counts the same letters again) and collects the release index of every dead letter whose payload is
+The feeder follows the run's dlq stream from its start (the bus's `Follower` on an ordered consumer, so a
+restarted feeder counts the same letters again) and collects the release index of every dead letter whose payload is
 one of this run's groups. Each such group is replaced like a stale drop; a letter that is not a group
 (garbage, a foreign message) earns nothing, and neither does one naming a group the feeder never released
 (a release index it has not reached, or a group id other than the one it gave that index): whoever can
@@ -10,29 +10,20 @@ publish to the dlq cannot raise the release budget past one replacement per grou
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
-from typing import Any
-
-from nats.aio.msg import Msg
 
 from relax_bus.bus import Bus
+from relax_bus.cancel import cancel_and_wait
 from relax_bus.envelope import open_message
+from relax_bus.follow import Followed, Follower
 from relax_bus.log import get_logger
-from schemas import DeadLetter, PromptGroup, RolloutGroup, ScoredGroup, TrainGroup
+from schemas import GROUP_MESSAGES, DeadLetter
 
 log = get_logger(__name__)
 
-
-def _prompt(message: Any) -> PromptGroup | None:
-    if isinstance(message, PromptGroup):
-        return message
-    if isinstance(message, RolloutGroup):
-        return message.prompt
-    if isinstance(message, ScoredGroup):
-        return message.rollout.prompt
-    if isinstance(message, TrainGroup):
-        return message.scored.rollout.prompt
-    return None
+STOP_WAIT_S = 2.0
+"""How long a stop waits for the follower to finish the letters in hand before it cancels it."""
 
 
 class DeadLetterCredit:
@@ -42,39 +33,45 @@ class DeadLetterCredit:
         self.bus = bus
         self.seen: set[tuple[int, str]] = set()
         """(release index, group id) of every dead-lettered group of this run, as the letters name them."""
-        self._sub: Any = None
+        self.follower = Follower.ordered(bus, "dlq", self._take)
+        self._task: asyncio.Task[object] | None = None
 
     def credit(self, released: int, group_id_of: Callable[[int], str]) -> int:
         """Dead-lettered groups this feeder released: an index below `released` with the id it gave that index."""
         return len({i for i, g in self.seen if i < released and g == group_id_of(i)})
 
     async def start(self) -> DeadLetterCredit:
-        t = self.bus.topology
-        # The stream named outright: looking it up by subject needs a permission roles do not have.
-        self._sub = await self.bus.js.subscribe(
-            t.subject("dlq"), stream=t.stream("dlq").name, ordered_consumer=True, cb=self._on
-        )
+        """Subscribe (a refused permission fails here), then follow the letters in the background."""
+        await self.follower.open()
+        self._task = asyncio.create_task(self.follower.run(), name="dead-letter-credit")
+        self._task.add_done_callback(_report_failure)
         return self
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:  # tolerated: the subscription may be gone with its connection
-                pass
+        self.follower.stop()  # wakes its wait at once
+        if self._task is not None:
+            await asyncio.wait({self._task}, timeout=STOP_WAIT_S)
+            await cancel_and_wait(self._task)  # one still reading a letter through an outage: no acks to lose
 
-    async def _on(self, msg: Msg) -> None:
+    async def _take(self, batch: list[Followed]) -> None:
+        for _, letter in batch:  # a letter that does not decode, or is no DeadLetter, earns nothing
+            if isinstance(letter, DeadLetter):
+                await self._count(letter)
+
+    async def _count(self, letter: DeadLetter) -> None:
         try:
-            letter = await open_message(msg.data, msg.headers, self.bus.media)  # a big letter is claim-checked
-            if not isinstance(letter, DeadLetter):
-                return
             message = await open_message(letter.payload, letter.headers, self.bus.media)
         except Exception:  # deliberate: a letter that is not one of our groups earns no credit
             return
-        prompt = _prompt(message)
-        if prompt is None or prompt.run != self.bus.run:
+        if not isinstance(message, GROUP_MESSAGES) or message.prompt.run != self.bus.run:
             return
+        prompt = message.prompt
         key = (prompt.release_index, prompt.group_id)
         if key not in self.seen:
             self.seen.add(key)
             log.info("dead_letter_seen", group_id=prompt.group_id, release_index=prompt.release_index)
+
+
+def _report_failure(task: asyncio.Task[object]) -> None:
+    if not task.cancelled() and (err := task.exception()) is not None:
+        log.error("dead_letters_unfollowed", error=f"{type(err).__name__}: {err}")

@@ -19,25 +19,24 @@ waits for a new policy version (or polls), heartbeats and stops.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from relax_bus.bus import Bus
-from relax_bus.errors import VersionConflict
+from relax_bus.errors import CasConflict, VersionConflict
 from relax_bus.log import get_logger
-from relax_bus.outage import is_transient, through_outage
+from relax_bus.outage import through_outage
+from relax_bus.policy_version import VersionTracker
 from relax_bus.source import Source
-from relax_bus.stale_filter import read_counter
 from relax_bus.staleness import releasable
-from relax_bus.state_keys import FEEDER_CURSOR, GROUPS_DROPPED, TRAINER_DONE
-from relax_bus.version import VersionTracker
 from schemas import Message, PromptGroup, RunEvent
 from schemas.parts import Part
 from workers.config import task_seed, task_spec
-from workers.data.media_refs import has_media, store_inline
 from workers.data.tasks import TaskItem, epoch_order, load_task
+from workers.omni.media_refs import has_media, store_inline
 from workers.roles.dead_credit import DeadLetterCredit
-from workers.roles.filtered_credit import OversampleExhausted, count_below, exhausted, oversample_cap, read_filtered
+from workers.roles.filtered_credit import OversampleExhausted, count_below, exhausted, filtered_now, oversample_cap
 from workers.roles.serve import RoleContext
+from workers.state_keys import FEEDER_CURSOR, GROUPS_DROPPED, POLICY_VERSION, TRAINER_DONE
 
 log = get_logger(__name__)
 
@@ -97,17 +96,15 @@ async def feed(bus: Bus, stop: asyncio.Event) -> int:
     items = load_task(task_spec(cfg.task))
     if not items:
         raise ValueError(f"task {cfg.task.type!r} produced no items")
-    released, cursor_rev = await through_outage(lambda: read_counter(bus.state, CURSOR_KEY), "read feeder cursor")
+    released, cursor_rev = await bus.run_state.count(CURSOR_KEY)
     log.info("feeder_started", items=len(items), released=released, target=cfg.trainer.steps * cfg.groups_per_step)
     dead = await DeadLetterCredit(bus).start()
     tracker = await through_outage(VersionTracker(bus.version).start, "watch policy version")
     feeder = Feeder(bus, items, released, cursor_rev, dead, tracker)
     source = Source(bus, "feeder", feeder, poll_s=POLL_S)
-    stopper = asyncio.create_task(_stop_when(stop, source.stop))
     try:
-        await source.run()
+        await source.run(stop=stop)
     finally:
-        stopper.cancel()
         await tracker.stop()
         await dead.stop()
     log.info("feeder_done", released=feeder.released)
@@ -145,7 +142,7 @@ class Feeder:
     async def produce(self) -> list[PromptGroup] | None:
         cfg = self.bus.config
         target = cfg.trainer.steps * cfg.groups_per_step
-        done, version, stale = await through_outage(lambda: _snapshot(self.bus), "read run state")
+        done, version, stale = await _snapshot(self.bus)
         if done:
             return None
         dropped = stale + self.dead.credit(self.released, self._group_id)  # will never train: each is replaced
@@ -164,7 +161,7 @@ class Feeder:
 
     async def _by_reference(self, group: PromptGroup) -> PromptGroup:
         """The group with its inline media stored once in the media store and referred to by digest
-        (`workers.data.media_refs`): every sample, epoch and role reads the one object."""
+        (`workers.omni.media_refs`): every sample, epoch and role reads the one object."""
         if not has_media(group.parts):
             return group
         parts = self._stored.get(group.index)
@@ -180,7 +177,7 @@ class Feeder:
         """Filtered groups to replace now: every one released so far, unless that passes the bound (then
         `OversampleExhausted`, after an `oversample_exhausted` event: the run could not finish)."""
         sampling = self.bus.config.sampling
-        bitmap, _ = await through_outage(lambda: read_filtered(self.bus.state), "read filtered groups")
+        bitmap = await filtered_now(self.bus.run_state)
         self.filtered = count_below(bitmap, self.released)
         cap = oversample_cap(sampling.max_oversample, target)
         if exhausted(self.filtered, cap):
@@ -217,16 +214,12 @@ class Feeder:
             log.warning("event_lost", name=event, error=str(err))
 
 
-async def _stop_when(stop: asyncio.Event, action: Callable[[], None]) -> None:
-    await stop.wait()
-    action()
-
-
 async def _snapshot(bus: Bus) -> tuple[bool, int, int]:
     """`(trainer done, policy version, groups dropped)`."""
-    done = (await read_counter(bus.state, TRAINER_DONE))[1] > 0
-    version, _ = await bus.version.get()
-    dropped, _ = await read_counter(bus.state, GROUPS_DROPPED)
+    state = bus.run_state
+    done = await state.get(TRAINER_DONE) is not None
+    version, _ = await state.count(POLICY_VERSION)
+    dropped, _ = await state.count(GROUPS_DROPPED)
     return done, version, dropped
 
 
@@ -234,20 +227,10 @@ async def _advance_cursor(bus: Bus, old: int, new: int, revision: int) -> int:
     """Compare-and-set the cursor from `old` to `new`; return its new revision.
 
     A second feeder of the same run (a mistake) fails here instead of double-releasing. When NATS
-    drops the answer, the cursor is read back: a write that landed is recognised by its value.
+    drops the answer, the cursor is read back: a write that landed is recognised by its value (`KvCounter.cas`).
     """
-    value = str(new).encode()
-    while True:
-        try:
-            if revision:
-                return int(await bus.state.update(CURSOR_KEY, value, last=revision))
-            return int(await bus.state.create(CURSOR_KEY, value))
-        except Exception as err:
-            if not is_transient(err):
-                raise
-        await asyncio.sleep(0.2)
-        current, now = await through_outage(lambda: read_counter(bus.state, CURSOR_KEY), "read feeder cursor")
-        if current == new and now != revision:
-            return now
-        if now != revision or current != old:
-            raise VersionConflict(f"feeder cursor moved under this feeder ({old} -> {current}): a second feeder?")
+    try:
+        return await bus.run_state.cas(CURSOR_KEY, new, revision)
+    except CasConflict as err:
+        now = "" if err.current is None else f" -> {err.current}"
+        raise VersionConflict(f"feeder cursor moved under this feeder ({old}{now}): a second feeder?") from None

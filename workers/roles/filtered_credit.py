@@ -31,7 +31,8 @@ import nats.js.errors
 from nats.js.kv import KeyValue
 
 from relax_bus.errors import RelaxBusError, VersionConflict
-from relax_bus.state_keys import GROUPS_FILTERED
+from relax_bus.run_state import RunState
+from workers.state_keys import GROUPS_FILTERED
 
 FILTERED_KEY = GROUPS_FILTERED
 """State KV key of the filtered set (the reward role writes it; the feeder reads it)."""
@@ -104,6 +105,11 @@ def encode(bitmap: bytes) -> bytes:
 def decode(value: bytes) -> bytes:
     """The bitmap of a KV value written by `encode`."""
     return base64.b64decode(json.loads(value)["bits"]) if value else b""
+
+
+async def filtered_now(state: RunState) -> bytes:
+    """The filtered set as the feeder polls it (riding through a NATS outage); `b""` before the first filtered group."""
+    return decode(await state.get(FILTERED_KEY) or b"")
 
 
 async def read_filtered(kv: KeyValue) -> tuple[bytes, int]:

@@ -1,9 +1,10 @@
 """The metrics role: every step of the run, once, in each configured sink.
 
-It follows the run's events stream from its own durable consumer (`workers.metrics.reader`), writes
-each batch of `Metric` events to the step sinks (`workers.metrics.sinks`: JSON Lines, TensorBoard,
-W&B), flushes them, and only then acknowledges the batch; a restarted role rewinds to its ack floor
-and the sinks skip the steps they already hold, so nothing is lost or written twice. With a
+A follower role of the bus's loop (`relax_bus.follow`): the bus reads the run's events stream in order from
+the role's durable consumer (rewound to its ack floor on start), heartbeats, and acknowledges each batch once
+`MetricsRole.take` returns, which writes the batch's `Metric` events to the step sinks
+(`workers.metrics.sinks`: JSON Lines, TensorBoard, W&B) and flushes them. A restarted role reads again from
+its ack floor and the sinks skip the steps they already hold, so nothing is lost or written twice. With a
 Prometheus port configured it also serves the run's gauges (`workers.metrics.prometheus`), reading
 queue depths, dead letters and live workers from the server every `metrics.poll_s` seconds.
 """
@@ -12,22 +13,21 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 
 import nats.errors
 
 from relax_bus.bus import Bus
 from relax_bus.cancel import cancel_and_wait
-from relax_bus.delivery import WorkerOptions
 from relax_bus.errors import ConfigError
-from relax_bus.heartbeat import HeartbeatWriter, live_workers, process_heartbeat
+from relax_bus.follow import Followed, Follower
+from relax_bus.heartbeat import live_workers
 from relax_bus.log import get_logger
-from schemas import Metric, RunEvent, WorkerHeartbeat
+from schemas import Metric, RunEvent
 from workers.config import MetricsConfig
 from workers.metrics.prometheus import PrometheusSink
-from workers.metrics.reader import Batch, EventReader
 from workers.metrics.sinks import StepSink, open_sinks
 from workers.roles.serve import RoleContext
 
@@ -70,7 +70,7 @@ async def serve(ctx: RoleContext) -> None:
 
 
 class MetricsRole:
-    """The role's loop: read a batch, write it to every sink, flush, acknowledge."""
+    """The role's part of the follower loop: write each batch to every sink and flush; the Prometheus poll."""
 
     def __init__(
         self, bus: Bus, role: str, sinks: list[StepSink], gauges: PrometheusSink | None, poll_s: float = 5.0
@@ -80,50 +80,32 @@ class MetricsRole:
         self.sinks = sinks
         self.gauges = gauges
         self.poll_s = poll_s
-        self.reader = EventReader(bus, role)
-        self.worker_id = WorkerOptions().worker_id
-        self.started_at = time.time()
-        self.counters: Counter[str] = Counter()
-        self.version: int | None = None
-        self.heartbeat = HeartbeatWriter(
-            bus.workers, f"{role}.{self.worker_id}", self._beat, interval_s=bus.config.bus.heartbeat_ttl_s / 3
-        )
-
-    def _beat(self) -> WorkerHeartbeat:
-        return process_heartbeat(self.bus.run, self.role, self.worker_id, self.started_at, self.version, self.counters)
+        self.follower = Follower.for_role(bus, role, self.take)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the events until `stop` is set (the batch in hand is written and acknowledged first)."""
-        await self.reader.open()
-        await self.heartbeat.beat()
-        self.heartbeat.start()
         poll = asyncio.create_task(self._poll(), name="metrics-poll") if self.gauges is not None else None
         try:
-            while not stop.is_set():
-                batch = await self.reader.next_batch()
-                if batch:
-                    await self._take(batch)
+            await self.follower.run(stop=stop)
         finally:
             if poll is not None:
                 await cancel_and_wait(poll)
-            await self.heartbeat.stop(remove=True)
-            await self.reader.close()
-        log.info("metrics_stopped", **self.counters)
+        log.info("metrics_stopped", **self.follower.counts, **asdict(self.follower.counters))
 
-    async def _take(self, batch: Batch) -> None:
+    async def take(self, batch: list[Followed]) -> None:
+        """Write a batch's steps to every sink and flush, and update the gauges (the bus acknowledges it next)."""
         points = [m for _, m in batch if isinstance(m, Metric)]
         written = await asyncio.to_thread(self._write, points) if points else {}
         if self.gauges is not None:
             for _, message in batch:
                 if isinstance(message, Metric | RunEvent):
                     self.gauges.observe(message)
-        await self.reader.ack(batch)
-        self.counters["received"] += len(batch)
-        self.counters["processed"] += len(points)
+        counts = self.follower.counts
+        counts["points"] += len(points)
         for name, count in written.items():
-            self.counters[f"written_{name}"] += count
+            counts[f"written_{name}"] += count
         if points:
-            self.version = int(points[-1].values.get("version", self.version or 0))
+            self.follower.policy_version = int(points[-1].values.get("version", self.follower.policy_version or 0))
 
     def _write(self, points: list[Metric]) -> dict[str, int]:
         """Write and flush `points` to every sink (in a thread: W&B and file writes block)."""

@@ -16,7 +16,7 @@ from torch import nn
 from relax_bus.bus import Bus
 from relax_bus.control import Reject
 from relax_bus.log import get_logger
-from relax_bus.version import VersionTracker
+from relax_bus.policy_version import VersionTracker
 from relax_bus.worker import Delivery, Worker, WorkerOptions
 from schemas import RolloutGroup, ScoredGroup, TrainGroup, WireTensor
 from workers.data.models import load_model, materialize

@@ -24,9 +24,9 @@ from relax_bus.log import get_logger
 from relax_bus.worker import Delivery, Worker, WorkerOptions
 from schemas import PromptGroup, RewardDetail, RolloutGroup, RunEvent, ScoredGroup, TrainGroup
 from workers.config import PipelineConfig, task_seed, task_spec
-from workers.data.media_refs import by_reference
-from workers.data.rewards import Scorer, default_rewards
 from workers.data.tasks import TaskItem, load_task
+from workers.omni.media_refs import by_reference
+from workers.rewards.scorer import Scorer, default_rewards
 from workers.roles.feeder import released_item
 from workers.roles.filtered_credit import holds, is_uniform, read_filtered, record_filtered
 from workers.roles.serve import RoleContext, run_worker
@@ -138,7 +138,7 @@ async def filter_uniform(bus: Bus, scored: ScoredGroup, source: str) -> None:
     of a filtered group (scored again with other samples): it is skipped, so no group is both replaced and
     trained.
     """
-    prompt = scored.rollout.prompt
+    prompt = scored.prompt
     if is_uniform(scored.rewards):
         total = await record_filtered(bus.state, prompt.release_index)
         reward = scored.rewards[0] if scored.rewards else 0.0

@@ -24,12 +24,11 @@ from relax_bus.bus import Bus
 from relax_bus.control import Reject, Retry
 from relax_bus.errors import BlobNotFound, ConfigError
 from relax_bus.log import get_logger
+from relax_bus.policy_version import VersionTracker
 from relax_bus.staleness import sync_floor
-from relax_bus.version import VersionTracker
 from relax_bus.worker import Delivery, Worker, WorkerOptions
 from schemas import PromptGroup, RolloutGroup, RolloutTimings, Sample, WireTensor
 from schemas.parts import MediaPart
-from workers.data.media_refs import PayloadCache, has_media
 from workers.data.models import load_tokenizer, materialize
 from workers.data.prompts import prompt_ids
 from workers.data.tasks import prompt_text
@@ -37,6 +36,7 @@ from workers.engines.base import Engine, Generated, MediaEngine, MediaInputs, Sa
 from workers.omni.errors import MediaError
 from workers.omni.loading import is_multimodal
 from workers.omni.logprobs import check_positions
+from workers.omni.media_refs import PayloadCache, has_media
 from workers.omni.prompts import MediaPrompter
 from workers.roles.partial import generate_partial, labelled
 from workers.roles.serve import RoleContext, run_worker

@@ -1,10 +1,12 @@
 """`relax worker ROLE`: one role as one process, given only the NATS URL and the run id.
 
-The role is looked up in the registry (`workers.roles.registry`) and its module's `serve(ctx)` runs
-it; the run config is read from KV. A role whose config spans several nodes (the trainer with
-`trainer.nnodes` > 1) re-executes itself as this node's torchrun agent. SIGTERM/SIGINT stop the role
-gracefully: workers finish or hand back their in-flight messages, the actor hands back a half-collected
-step, and the process exits 0.
+The role is looked up in the registry (`workers.role_registry`) and its module's `serve(ctx)` runs
+it; the run config is read from KV, and the parts of it the role uses (its registry entry's `checks`: the
+model, the task, the rewards, the engine) are checked before it starts (`workers.preflight`): a config that
+cannot work is refused with exit code 2 and one error, and not restarted. A role whose config spans several
+nodes (the trainer with `trainer.nnodes` > 1) re-executes itself as this node's torchrun agent.
+SIGTERM/SIGINT stop the role gracefully: workers finish or hand back their in-flight messages, the actor
+hands back a half-collected step, and the process exits 0.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from typing import Any
 
 from relax_bus.bus import Bus
 from relax_bus.cancel import cancel_and_wait
+from relax_bus.errors import ConfigError
 from relax_bus.log import get_logger
 from relax_bus.settings import ConnectionSettings
 from relax_bus.worker import Worker
 from workers.config import PipelineConfig
 from workers.errors import RoleNotInRun
-from workers.roles.registry import role_def
+from workers.preflight import preflight
+from workers.role_registry import role_def
 
 log = get_logger(__name__)
 
@@ -77,6 +81,11 @@ async def run_role(role: str, settings: ConnectionSettings, run: str, work_dir: 
         raise RoleNotInRun(f"run {run} has no {role} role{why}; its roles: {roles}")
     if entry.nodes(bus.config) > 1:
         await _join_nodes(bus, entry.ranks(bus.config), entry.nodes(bus.config))
+    try:  # the parts of the config this role uses: refused in one line (exit 2) before it does anything
+        await asyncio.to_thread(preflight, bus.config, work_dir, entry.checks, f"run {run} ({role})")
+    except ConfigError:
+        await bus.close()
+        raise
     ctx.bus = bus
     try:
         await module.serve(ctx)
@@ -92,7 +101,7 @@ async def _join_nodes(bus: Bus[PipelineConfig], ranks: int, nodes: int) -> None:
 
     if torch.distributed.is_torchelastic_launched():
         return
-    from workers.launch.torchrun import reexec_under_torchrun
+    from workers.roles.torchrun import reexec_under_torchrun
 
     await bus.close()
     reexec_under_torchrun(bus.config, ranks, nodes)
@@ -102,16 +111,9 @@ async def run_worker(
     ctx: RoleContext, worker: Worker[Any], cleanup: Callable[[], Awaitable[None]] | None = None
 ) -> None:
     """Run a bus worker loop until it ends or the role is told to stop."""
-
-    async def stop_when_told() -> None:
-        await ctx.stop.wait()
-        worker.stop()
-
-    stopper = asyncio.create_task(stop_when_told())
     try:
-        await worker.run()
+        await worker.run(stop=ctx.stop)
     finally:
-        stopper.cancel()
         if cleanup is not None:
             await cleanup()
 

@@ -40,9 +40,14 @@ DAPO's overlong reward shaping (`overlong_penalty`) is added to the rewards befo
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from workers.config.trainer import OverlongConfig
+    from workers.training.batch import Batch
 
 AdvantageEstimator = Callable[[Tensor, float], Tensor]
 
@@ -181,3 +186,16 @@ def overlong_penalty(response_lengths: Tensor, max_tokens: int, window: int, pen
     lengths = response_lengths.to(torch.get_default_dtype())
     start = max_tokens - window
     return -penalty * ((lengths - start) / window).clamp(0.0, 1.0)
+
+
+def shaped_rewards(batch: Batch, overlong: OverlongConfig | None) -> tuple[Tensor, dict[str, float]]:
+    """The rewards the advantages are computed from ([B, n]): the batch's, plus `overlong_penalty` of each response's
+    length when `trainer.overlong` is set; and the shaping's metrics (none when off)."""
+    if overlong is None:
+        return batch.rewards, {}
+    lengths = torch.tensor(
+        [n - p for n, p in zip(batch.lengths, batch.prompt_lengths, strict=True)], dtype=batch.rewards.dtype
+    ).reshape(batch.rewards.shape)  # [B, n] response tokens, rows in group order
+    penalty = overlong_penalty(lengths, overlong.max_tokens, overlong.window, overlong.penalty)  # [B, n]
+    shaped = {"overlong_penalty_mean": float(penalty.mean()), "overlong_frac": float((penalty < 0).float().mean())}
+    return batch.rewards + penalty, shaped

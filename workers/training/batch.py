@@ -3,14 +3,19 @@ that a group can go into a step at all."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from schemas import TrainGroup, WireTensor
 from workers.engines.base import MediaInputs
+
+if TYPE_CHECKING:
+    from relax_bus.settings import StalenessConfig
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,18 @@ def older_tokens(groups: Sequence[TrainGroup], batch: Batch, floor: int) -> torc
                 at += count
             row += 1
     return older
+
+
+def stale_masked(
+    groups: Sequence[TrainGroup], batch: Batch, version: int | None, staleness: StalenessConfig
+) -> tuple[Batch, dict[str, float]]:
+    """`batch` with the tokens older than `version - max_staleness` masked out of the loss when
+    `staleness.mask_stale_tokens` is on (and a bound and the version are known), and how many were masked."""
+    bound = staleness.max_staleness
+    if not staleness.mask_stale_tokens or bound is None or version is None:
+        return batch, {}
+    older = older_tokens(groups, batch, version - bound)
+    return dataclasses.replace(batch, mask=batch.mask * (1 - older)), {"masked_stale_tokens": float(older.sum())}
 
 
 def routed_rows(wire: Sequence[WireTensor | None]) -> tuple[torch.Tensor, ...]:

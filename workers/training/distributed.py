@@ -3,7 +3,9 @@
 Under FSDP2 every trainer call that touches the model (a step, gathering the full state dict, a
 checkpoint, a restore) is a collective, so all ranks must make the same calls in the same order.
 Rank 0 wraps its `PolicyTrainer` in `DrivenTrainer`, which broadcasts each call (name and arguments)
-before making it; ranks > 0 run `follow`, which receives and repeats them until told to stop.
+before making it; ranks > 0 run `follow`, which receives and repeats them until told to stop. The mirrored
+calls are the trainer's own (`step`, `full_state`, `load_full`), its checkpoints' (`checkpoints.<call>`,
+`workers.checkpoints.trainer_state`) and the supervised warm-up (`warm_up`, `workers.training.warmup`).
 
 On several nodes (`trainer.nnodes` > 1) nothing changes but the world: torchrun's c10d rendezvous
 numbers the nodes, RANK is global (the one rank 0 of all nodes drives, wherever it landed) and
@@ -18,20 +20,38 @@ and the restarted actor resumes from its checkpoint.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
 from relax_bus.errors import ConfigError
 from relax_bus.log import get_logger
+from workers.data.tasks import TaskItem
 from workers.training.trainer import PolicyTrainer
+from workers.training.warmup import run_warmup
 
 log = get_logger(__name__)
 
-MIRRORED = frozenset(
-    {"step", "warmup", "full_state", "checkpoint_bytes", "checkpoint_state", "restore", "load_full"}
-    | {"save_sharded", "restore_sharded"}
-)
+CHECKPOINTS = "checkpoints."
+"""The prefix of a mirrored call of the trainer's checkpoints."""
+
+
+def _checkpoint_call(name: str) -> Callable[..., Any]:
+    return lambda trainer, *args: getattr(trainer.checkpoints, name)(*args)
+
+
+MIRRORED: dict[str, Callable[..., Any]] = {
+    "step": lambda trainer, *args: trainer.step(*args),
+    "full_state": lambda trainer: trainer.full_state(),
+    "load_full": lambda trainer, state: trainer.load_full(state),
+    "warmup": run_warmup,
+    **{
+        CHECKPOINTS + name: _checkpoint_call(name)
+        for name in ("to_bytes", "state", "restore", "save_sharded", "restore_sharded", "restore_recorded")
+    },
+}
+"""Every call that touches the model, by the name rank 0 broadcasts: what each rank does with its trainer."""
 
 
 def world() -> tuple[int, int]:
@@ -67,20 +87,44 @@ class DrivenTrainer:
         log.info("driver_ready", rank=rank, world=size, local_rank=dist.get_node_local_rank(fallback_rank=0))
 
     def __getattr__(self, name: str) -> Any:
-        target = getattr(self.trainer, name)
         if name not in MIRRORED:
-            return target
+            return getattr(self.trainer, name)
+        return lambda *args: self.mirror(name, *args)
 
-        def mirrored(*args: Any) -> Any:
-            dist.broadcast_object_list([(name, args)], src=0)
-            return target(*args)
+    @property
+    def checkpoints(self) -> MirroredCheckpoints:
+        """The trainer's checkpoints, every call mirrored on all ranks."""
+        return MirroredCheckpoints(self)
 
-        return mirrored
+    def mirror(self, name: str, *args: Any) -> Any:
+        """The call `name` (a key of MIRRORED) on every rank: broadcast it, then make it here."""
+        dist.broadcast_object_list([(name, args)], src=0)
+        return MIRRORED[name](self.trainer, *args)
 
     def stop(self) -> None:
         """Release the followers, then leave the process group with them."""
         dist.broadcast_object_list([("stop", ())], src=0)
         leave()
+
+
+class MirroredCheckpoints:
+    """Rank 0's `TrainerCheckpoints`: every call mirrored on all ranks."""
+
+    def __init__(self, driven: DrivenTrainer) -> None:
+        self.driven = driven
+
+    def __getattr__(self, name: str) -> Any:
+        if CHECKPOINTS + name not in MIRRORED:
+            return getattr(self.driven.trainer.checkpoints, name)
+        return lambda *args: self.driven.mirror(CHECKPOINTS + name, *args)
+
+
+def warm_up(trainer: PolicyTrainer | DrivenTrainer, items: Sequence[TaskItem]) -> dict[str, float]:
+    """The supervised warm-up (`workers.training.warmup.run_warmup`), on every rank when `trainer` drives several."""
+    if isinstance(trainer, DrivenTrainer):
+        info: dict[str, float] = trainer.mirror("warmup", items)
+        return info
+    return run_warmup(trainer, items)
 
 
 def leave() -> None:
@@ -102,9 +146,9 @@ def follow(trainer: PolicyTrainer) -> None:
         dist.broadcast_object_list(box, src=0)
         name, args = box[0]
         if name == "stop":
-            trainer.sharded.wait()  # this rank's part of the last sharded checkpoint is written
+            trainer.checkpoints.wait()  # this rank's part of the last sharded checkpoint is written
             leave()
             return
         if name not in MIRRORED:
             raise RuntimeError(f"rank 0 asked for {name!r}, which is not a mirrored trainer call")
-        getattr(trainer, name)(*args)
+        MIRRORED[name](trainer, *args)

@@ -72,23 +72,3 @@ def padded_rows(
 def response_slices(logps: torch.Tensor, prompt_len: int, responses: list[list[int]]) -> list[torch.Tensor]:
     """Each row's response part of token log-probs [n, T-1] (position t predicts token t+1)."""
     return [logps[row, prompt_len - 1 : prompt_len - 1 + len(r)] for row, r in enumerate(responses)]
-
-
-def policy_token_logprobs(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    temperature: float = 1.0,
-    media: dict[str, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """`token_logprobs` for a text policy; for a multimodal one, the same with the rows' media -> [B, T-1].
-
-    `media` holds the rows' batched processor tensors (`workers.omni.logprobs.batch_media`); with it, the
-    forward takes the media and 3-D positions and the media special tokens are masked to -inf, as the
-    engine masks them while sampling (`workers.omni.logprobs.media_token_logprobs`).
-    """
-    if media is None:
-        return token_logprobs(model, input_ids, attention_mask, temperature)
-    from workers.omni.logprobs import media_token_logprobs  # the media stack only when a multimodal policy trains
-
-    return media_token_logprobs(model, input_ids, attention_mask, media, temperature)

@@ -18,7 +18,7 @@ from torch import nn
 
 from workers.data.models import load_model, load_tokenizer
 from workers.engines.base import MediaInputs
-from workers.training.logprobs import policy_token_logprobs
+from workers.training.logprobs import padded_rows, response_slices, token_logprobs
 
 
 def load_policy(model_dir: Path) -> tuple[nn.Module, Any, Any]:
@@ -60,3 +60,48 @@ def media_rows_logprobs(
 
         return grouped_media_logprobs(model, ids, attention, media, group_of, prompt_lengths, temperature)
     return policy_token_logprobs(model, ids, attention, temperature, rows_media(media, group_of, ids.device))
+
+
+def policy_token_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    media: dict[str, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """`token_logprobs` for a text policy; for a multimodal one, the same with the rows' media -> [B, T-1].
+
+    `media` holds the rows' batched processor tensors (`workers.omni.logprobs.batch_media`); with it, the
+    forward takes the media and 3-D positions and the media special tokens are masked to -inf, as the
+    engine masks them while sampling (`workers.omni.logprobs.media_token_logprobs`).
+    """
+    if media is None:
+        return token_logprobs(model, input_ids, attention_mask, temperature)
+    from workers.omni.logprobs import media_token_logprobs  # the media stack only when a multimodal policy trains
+
+    return media_token_logprobs(model, input_ids, attention_mask, media, temperature)
+
+
+def media_response_logprobs(
+    model: nn.Module,
+    prompt: MediaInputs,
+    responses: list[list[int]],
+    temperature: float = 1.0,
+    suppressed: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """Log-probs of each response's tokens after one media prompt: one 1-D float32 tensor [len(response)] each.
+
+    The responses share the prompt and its media: one right-padded batch of n rows, the media repeated n times.
+    """
+    from workers.omni.logprobs import batch_media, media_token_logprobs
+
+    if not responses:
+        return []
+    prompt_ids = prompt["input_ids"][0].tolist()
+    device = next(model.parameters()).device
+    if (rows := padded_rows(prompt_ids, responses, device)) is None:
+        return [torch.zeros(0, dtype=torch.float32, device=device) for _ in responses]
+    ids, mask = rows
+    media = batch_media([prompt] * len(responses))
+    logps = media_token_logprobs(model, ids, mask, media, temperature, suppressed)  # [n, T-1]
+    return response_slices(logps, len(prompt_ids), responses)

@@ -17,6 +17,21 @@ the others run empty ones (one padding token, loss multiplied by 0).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One rank's passes over a mini-batch: its micro-batches (row indices of the step), then `padding` empty
+    passes, so that every rank makes as many as the busiest (0 in one process)."""
+
+    micro: list[list[int]]
+    padding: int = 0
+
+    @property
+    def rows(self) -> list[int]:
+        """Every row of this rank's micro-batches."""
+        return [r for rows in self.micro for r in rows]
 
 
 def split_even(n: int, parts: int) -> list[range]:

@@ -39,13 +39,17 @@ positions are zeroed before any arithmetic, so padding may hold any value, even 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from workers.training.corrections import correction_weights
 from workers.training.losses import AGGREGATIONS, aggregate, check_shapes, masked, masked_mean, sequence_mean
+
+if TYPE_CHECKING:
+    from workers.config.trainer import TrainerConfig
 
 # (logp, logp_old, A [B, 1], valid, clip_low, clip_high, **options) -> (loss_t, clip_active, ratio), all [B, T]
 SurrogateLoss = Callable[..., tuple[Tensor, Tensor, Tensor]]
@@ -126,45 +130,77 @@ POLICY_LOSSES: dict[str, SurrogateLoss] = {
 }
 
 
+@dataclass(frozen=True)
+class LossSettings:
+    """What shapes the policy loss, taken once from the trainer's config (`LossSettings.of`)."""
+
+    loss: str = "ppo"
+    """The surrogate: a key of POLICY_LOSSES."""
+    clip_low: float = 0.2
+    """The ratio's clip range is [1 - clip_low, 1 + clip_high]."""
+    clip_high: float = 0.28
+    """See clip_low (clip-higher, DAPO)."""
+    aggregation: str = "token"
+    """How per-token losses reduce to one: "token" or "sequence" (`workers.training.losses.aggregate`)."""
+    correction: str = "tis"
+    """The off-policy correction: a key of `workers.training.corrections.CORRECTIONS`."""
+    loss_options: Mapping[str, Any] = field(default_factory=dict)
+    """The surrogate's own parameters (dual_clip's `c`)."""
+    correction_options: Mapping[str, Any] = field(default_factory=dict)
+    """The correction's own parameters (its `low` / `high`)."""
+
+    def __post_init__(self) -> None:
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"unknown aggregation {self.aggregation!r}; valid: {list(AGGREGATIONS)}")
+        if self.loss not in POLICY_LOSSES:
+            raise ValueError(f"unknown loss {self.loss!r}; valid: {sorted(POLICY_LOSSES)}")
+
+    @classmethod
+    def of(cls, cfg: TrainerConfig) -> LossSettings:
+        """The settings of `trainer.loss`, `trainer.correction`, the clip range and the aggregation."""
+        return cls(
+            loss=cfg.loss.type,
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            aggregation=cfg.aggregation,
+            correction=cfg.correction.type,
+            loss_options=cfg.loss.options(),
+            correction_options=cfg.correction_options(),
+        )
+
+
+DEFAULT_SETTINGS = LossSettings()
+"""ppo, clip [0.8, 1.28], token aggregation, tis with its default bounds."""
+
+
 def policy_loss(
     logp: Tensor,
     logp_old: Tensor,
     logp_rollout: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    aggregation: str = "token",
+    settings: LossSettings = DEFAULT_SETTINGS,
     normalizer: float | None = None,
-    loss: str = "ppo",
-    correction: str = "tis",
-    loss_options: Mapping[str, Any] | None = None,
-    correction_options: Mapping[str, Any] | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The surrogate named `loss`, reweighted by the correction named `correction`, aggregated.
+    """The surrogate `settings.loss`, reweighted by the correction `settings.correction`, aggregated.
 
     logp, logp_old, logp_rollout, mask: [B, T]; advantages: [B] -> (loss scalar, metrics).
     w = correction(logp_old, logp_rollout)         # [B, T] detached (tis: clip(exp(logp_old - logp_rollout), 0, 2))
     loss = aggregate(w * loss_t, mask, aggregation, normalizer),  loss_t from POLICY_LOSSES[loss]
-    `loss_options` / `correction_options` are the chosen plug-in's own parameters (dual_clip's `c`; a
-    correction's `low` / `high`). Metrics, over valid tokens: ppo_clip_frac (tokens the loss clipped:
-    no gradient for ppo / dual_clip / gspo, a clipped weight for cispo), ratio_mean, and the correction's
-    (`workers.training.corrections.CORRECTION_METRICS`).
+    `normalizer`: the denominator of a micro-batch's share of a larger batch (`aggregate`). Metrics, over valid
+    tokens: ppo_clip_frac (tokens the loss clipped: no gradient for ppo / dual_clip / gspo, a clipped weight for
+    cispo), ratio_mean, and the correction's (`workers.training.corrections.CORRECTION_METRICS`).
     """
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {aggregation!r}; valid: {list(AGGREGATIONS)}")
-    try:
-        surrogate = POLICY_LOSSES[loss]
-    except KeyError:
-        raise ValueError(f"unknown loss {loss!r}; valid: {sorted(POLICY_LOSSES)}") from None
+    s = settings
     check_shapes(mask, logp=logp, logp_old=logp_old, logp_rollout=logp_rollout)
     if advantages.shape != mask.shape[:1]:
         raise ValueError(f"advantages must be [B] = [{mask.shape[0]}], got shape {tuple(advantages.shape)}")
     valid = mask.bool()
     adv = advantages.detach().to(logp.dtype).unsqueeze(1)  # [B, 1]
-    loss_t, clip_active, ratio = surrogate(logp, logp_old, adv, valid, clip_low, clip_high, **(loss_options or {}))
-    w, metrics = correction_weights(logp_old, logp_rollout, mask, correction, **(correction_options or {}))
-    total = aggregate(w * loss_t, mask, aggregation, normalizer)
+    surrogate = POLICY_LOSSES[s.loss]
+    loss_t, clip_active, ratio = surrogate(logp, logp_old, adv, valid, s.clip_low, s.clip_high, **s.loss_options)
+    w, metrics = correction_weights(logp_old, logp_rollout, mask, s.correction, **s.correction_options)
+    total = aggregate(w * loss_t, mask, s.aggregation, normalizer)
     with torch.no_grad():
         metrics = {
             "ppo_clip_frac": masked_mean(clip_active.to(ratio.dtype), valid),

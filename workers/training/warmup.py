@@ -2,7 +2,7 @@
 
 A random or weak model earns no reward, so RL has no signal: a few supervised steps on the task's
 reference answers (prompt rendered like the rollout role renders it, answer then EOS) start it off.
-Everything here runs on every FSDP2 rank alike (`warmup` is a mirrored trainer call).
+Everything here runs on every FSDP2 rank alike (`workers.training.distributed.warm_up` mirrors `run_warmup`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from relax_bus.log import get_logger
-from workers.data.media_refs import has_media
 from workers.data.prompts import answer_ids, prompt_ids
 from workers.data.tasks import TaskItem, prompt_text
 from workers.omni.group_forward import sample_after
+from workers.omni.media_refs import has_media
 from workers.training.logprobs import token_logprobs
 from workers.training.media_policy import media_rows_logprobs
 
@@ -66,7 +66,7 @@ def run_warmup(trainer: PolicyTrainer, items: Sequence[TaskItem]) -> dict[str, f
     for step in range(1, wcfg.max_steps + 1):
         loss = _sft_step(trainer, opt, [examples[rng.randrange(len(examples))] for _ in range(wcfg.batch_size)])
         if step % wcfg.check_every == 0:
-            accuracy = trainer.sampled_accuracy(items[:64])
+            accuracy = sampled_accuracy(trainer, items[:64])
             log.info("warmup_progress", step=step, loss=round(loss, 4), accuracy=round(accuracy, 3))
             if accuracy >= wcfg.target_accuracy:
                 break
@@ -88,7 +88,7 @@ def run_warmup(trainer: PolicyTrainer, items: Sequence[TaskItem]) -> dict[str, f
             chosen.append((prompt, answer))
         _sft_step(trainer, opt, chosen)
     if wcfg.label_noise > 0 and wcfg.noise_steps > 0:
-        accuracy = trainer.sampled_accuracy(items[:64])
+        accuracy = sampled_accuracy(trainer, items[:64])
         log.info("warmup_noise_done", steps=wcfg.noise_steps, accuracy=round(accuracy, 3))
     return {"warmup_steps": float(step + wcfg.noise_steps), "warmup_accuracy": accuracy}
 

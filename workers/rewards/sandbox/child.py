@@ -1,0 +1,197 @@
+"""The reward sandbox's child program: it confines itself, then runs user reward functions on request.
+
+    python -m workers.rewards.sandbox.child SETTINGS_JSON
+
+Started by `workers.rewards.sandbox.client.Sandbox`, never by hand; standard library only, so nothing but
+this package's own files runs before the confinement. Two processes:
+
+    supervisor  unshares the namespaces, forks the server (PID 1 of the new PID namespace), waits for it,
+                and kills it when the lifeline pipe closes (the worker stopped the sandbox, or died):
+                the server's death takes every process of its namespace with it
+    server      drops privileges, sets its rlimits, then answers one JSON line per request line:
+                  {"id", "op": "load", "ref", "options"}                      import and check a function
+                  {"id", "op": "call", "ref", "completion", "answer", "finish_reason", "options"}
+                with {"id", "status": "ok" | "error" | "bad_options", "value" | "error", "retire"?}
+
+The server's first line says what confinement it got ({"op": "ready", ...}) or why it has none
+({"op": "failed", "error"}). `retire` asks the worker to replace it: it has used half its CPU budget.
+Requests and replies travel on their own pipes, never stdout, so a function that prints cannot forge
+or corrupt a reply; a reply larger than `max_reply_bytes` is turned into an error here (and refused
+again by the worker, which trusts nothing it reads).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import resource
+import select
+import shutil
+import signal
+import sys
+import traceback
+from typing import Any, NoReturn
+
+from workers.rewards.sandbox import confine
+from workers.rewards.values import RewardFn, checked, describe, import_function
+
+MAX_ERROR_CHARS = 2000
+"""An error message longer than this is cut (a function may raise with a huge message)."""
+
+
+def main(argv: list[str]) -> NoReturn:
+    """The supervisor: probe, unshare, fork the server, then wait for it or for the lifeline to close."""
+    settings = json.loads(argv[1])
+    user = settings["user"] if os.geteuid() == 0 else None
+    unreadable = None if user is None else confine.first_unreadable(settings["paths"], user, settings["group"])
+    namespaces, refused = confine.unshare_namespaces(settings["isolate_network"])
+    facts = {"namespaces": namespaces, "namespaces_refused": refused, "unreadable": unreadable}
+    server = os.fork()
+    if server == 0:
+        try:
+            os.close(settings["lifeline"])
+            _run_server(settings, user, facts)
+        finally:  # whatever happens, the server never runs on into the supervisor's code
+            os._exit(1)
+    os.close(settings["requests"])
+    os.close(settings["replies"])
+    _supervise(server, settings["lifeline"], settings["home"])
+
+
+def _supervise(server: int, lifeline: int, home: str) -> NoReturn:
+    """Exit with the server's status; kill it (and what is left of the group) if the lifeline closes.
+
+    Either way the sandbox's HOME goes too: the worker may have died without removing it."""
+    try:
+        pidfd: int | None = os.pidfd_open(server)
+    except OSError:  # a kernel before 5.3: only the lifeline wakes us
+        pidfd = None
+    watched = [lifeline] if pidfd is None else [pidfd, lifeline]
+    ready = select.select(watched, [], [])[0]
+    stopped = pidfd not in ready
+    if stopped:
+        os.kill(server, signal.SIGKILL)
+    _, status = os.waitpid(server, 0)
+    shutil.rmtree(home, ignore_errors=True)
+    if stopped:  # without a PID namespace, grandchildren may remain in the group; this process goes too
+        os.killpg(0, signal.SIGKILL)
+    code = os.waitstatus_to_exitcode(status)
+    os._exit(128 - code if code < 0 else code)
+
+
+def _run_server(settings: dict[str, Any], user: int | None, facts: dict[str, Any]) -> NoReturn:
+    replies = settings["replies"]
+    try:
+        _confine(settings, user, facts)
+    except Exception as err:  # deliberate: report why and stop, before any user code has run
+        _send(replies, {"op": "failed", "error": _describe(err)}, settings["max_reply_bytes"])
+        os._exit(1)
+    ready = {"op": "ready", "pid": int(os.readlink("/proc/self")), "uid": os.getuid(), **facts}
+    _send(replies, ready, settings["max_reply_bytes"])
+    code: Any = 0
+    try:
+        _serve(settings["requests"], replies, settings["max_reply_bytes"], settings["cpu_s"])
+    except SystemExit as exit_:  # user code called sys.exit: the worker sees the process die
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    except BaseException:  # deliberate: nothing may unwind into the supervisor's code of this fork
+        traceback.print_exc()  # into the output tail the worker logs
+        code = 1
+    _flush_output()
+    os._exit(code)
+
+
+def _confine(settings: dict[str, Any], user: int | None, facts: dict[str, Any]) -> None:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past RLIMIT_FSIZE fails instead of killing
+    signal.signal(signal.SIGXCPU, _out_of_cpu)  # PID 1 of a namespace ignores a signal left at its default
+    if user is not None:
+        confine.drop_privileges(user, settings["group"], keep_read_all=facts["unreadable"] is not None)
+    elif "user" in facts["namespaces"]:
+        confine.drop_capabilities()
+    facts["limits"] = confine.set_limits(
+        settings["memory_bytes"],
+        settings["cpu_s"],
+        settings["processes"],
+        settings["open_files"],
+        settings["file_bytes"],
+    )
+    confine.forbid_new_privileges()
+
+
+def _out_of_cpu(signum: int, frame: object) -> None:
+    """RLIMIT_CPU's soft limit: exit as if killed by SIGXCPU (the hard limit's SIGKILL follows a second later)."""
+    os._exit(128 + signum)
+
+
+def _serve(requests_fd: int, replies_fd: int, max_reply_bytes: int, cpu_s: int) -> None:
+    """Answer request lines until the worker closes the pipe."""
+    functions: dict[str, RewardFn] = {}
+    server_pid = os.getpid()
+    with os.fdopen(requests_fd, "rb") as requests:
+        for line in requests:
+            request = json.loads(line)
+            reply = _answer(request, functions)
+            if os.getpid() != server_pid:  # a fork made by user code came back here: it must not answer
+                os._exit(0)
+            reply["id"] = request["id"]
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            if usage.ru_utime + usage.ru_stime > cpu_s / 2:
+                reply["retire"] = True
+            _flush_output()
+            _send(replies_fd, reply, max_reply_bytes)
+
+
+def _answer(request: dict[str, Any], functions: dict[str, RewardFn]) -> dict[str, Any]:
+    try:
+        if request["op"] == "load":
+            functions[request["ref"]] = fn = import_function(request["ref"])
+            problem = _options_problem(fn, request["options"])
+            return {"status": "ok"} if problem is None else {"status": "bad_options", "error": problem}
+        fn = functions[request["ref"]]
+        value = fn(request["completion"], request["answer"], request["finish_reason"], **request["options"])
+        return {"status": "ok", "value": checked(value)}
+    except Exception as err:  # deliberate: user code faults are reported to the worker, not fatal
+        return {"status": "error", "error": _describe(err)}
+
+
+def _options_problem(fn: RewardFn, options: dict[str, Any]) -> str | None:
+    """Why `fn` cannot be called with these options, or None (also when it has no signature to check)."""
+    try:
+        signature = inspect.signature(fn)
+    except ValueError:  # some builtins have no signature to check
+        return None
+    try:
+        signature.bind("", None, "stop", **options)
+    except TypeError as err:
+        return str(err)
+    return None
+
+
+def _describe(err: BaseException) -> str:
+    try:
+        text = describe(err)
+    except Exception:  # deliberate: an exception whose __str__ raises still gets a name
+        text = type(err).__name__
+    return text[:MAX_ERROR_CHARS]
+
+
+def _flush_output() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # deliberate: user code may have closed or broken its own output
+            pass
+
+
+def _send(fd: int, reply: dict[str, Any], max_bytes: int) -> None:
+    data = json.dumps(reply).encode() + b"\n"
+    if len(data) > max_bytes:
+        error = f"RewardReplyTooLarge: the reply is {len(data)} bytes, more than the {max_bytes} allowed"
+        data = json.dumps({"id": reply.get("id"), "status": "error", "error": error}).encode() + b"\n"
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+if __name__ == "__main__":
+    main(sys.argv)

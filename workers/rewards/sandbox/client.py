@@ -1,0 +1,245 @@
+"""The sandbox user reward code runs in: one persistent child process, confined, spoken to in JSON lines.
+
+The worker starts `python -m workers.rewards.sandbox.child` (the child's side, and the protocol) through
+`workers.rewards.sandbox.process` (spawning, pipes, killing) with:
+
+- a scrubbed environment: PATH, the locale, `sandbox.pass_env`, and the sandbox's own HOME and TMPDIR (a
+  private temporary directory) and PYTHONPATH (the worker's import path, so user modules import as they
+  do in the worker). Nothing named RELAX_* or containing NATS, hence no bus credentials;
+- the worker's working directory, so that user code opening relative paths keeps working;
+- a session and process group of its own, and (where the kernel allows) PID and network namespaces;
+- rlimits (address space, CPU, processes, files, file size) and, when the worker is root, a lesser uid;
+- three pipes of its own, requests, replies and a lifeline, and its stdout/stderr on a fourth that a
+  thread drains, keeping the last `OUTPUT_TAIL_BYTES` for the log lines of a sandbox that died or hung.
+
+Every reply is read with a deadline and a size cap, and checked: too large, not JSON, the wrong id or
+not a float / dict of floats is a reward error, never a crash or a hang, and the child is replaced. A
+timeout or a dead child tears down the whole sandbox; the next call starts a fresh one. No pickle: the
+worker never deserialises anything but JSON from user code.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from relax_bus.log import get_logger
+from workers.config.rewards import RewardSandbox
+from workers.rewards.sandbox.process import MAX_REPLY_BYTES, LineTooLong, SandboxProcess
+from workers.rewards.values import RewardValue, checked, describe
+
+log = get_logger(__name__)
+
+START_TIMEOUT_S = 60.0
+"""How long the sandbox may take to start and to import each user function."""
+
+
+class RewardFailed(Exception):
+    """Raised by `Sandbox.call` when the function failed, timed out or the sandbox broke; the message is
+    the error recorded with the zero reward."""
+
+
+class Sandbox:
+    """A persistent confined child that imports and runs user reward functions, one call at a time."""
+
+    def __init__(self, functions: Sequence[tuple[str, dict[str, Any]]], settings: RewardSandbox) -> None:
+        self._functions = list(functions)
+        """`(module:callable, options)` of every function, loaded and checked on each start."""
+        self._settings = settings
+        self._process: SandboxProcess | None = None
+        self._lock = threading.Lock()
+        self._warned = False
+        self.info: dict[str, Any] = {}
+        """What the last child reported about its confinement (uid, namespaces, limits)."""
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the running sandbox (its supervisor, the process group's leader), or None."""
+        return None if self._process is None else self._process.popen.pid
+
+    def output_tail(self) -> str:
+        """The last bytes the running sandbox printed (stdout and stderr), decoded."""
+        return "" if self._process is None else self._process.output.text()
+
+    def start(self) -> None:
+        """Start the child and import every function; ValueError names the first that cannot be imported."""
+        with self._lock:
+            try:
+                self._start()
+            except RewardFailed as err:
+                raise ValueError(str(err)) from None
+
+    def call(
+        self,
+        ref: str,
+        completion: str,
+        answer: str | None,
+        finish_reason: str,
+        options: dict[str, Any],
+        timeout_s: float,
+    ) -> RewardValue:
+        """Run one function; RewardFailed on its error, on a timeout or if the sandbox broke."""
+        request: dict[str, Any] = {"op": "call", "ref": ref, "completion": completion, "answer": answer}
+        request |= {"finish_reason": finish_reason, "options": options}
+        with self._lock:
+            if self._process is None:
+                self._start()
+            if not self._warned:
+                self._warned = True
+                self._warn_of_gaps(self.info)
+            reply = self._request(request, timeout_s)
+            value = self._value(reply) if reply["status"] == "ok" else None
+            if reply.get("retire"):
+                log.debug("reward_sandbox_recycled", pid=self.pid, cpu_s=self._settings.cpu_s)
+                self._stop()
+        if value is None:
+            raise RewardFailed(reply["error"])
+        return value
+
+    def stop(self) -> None:
+        """Kill the sandbox and every process in it; the next call starts a fresh one."""
+        with self._lock:
+            self._stop()
+
+    def _start(self) -> None:
+        process = SandboxProcess.spawn(self._settings)
+        self._process = process
+        try:
+            hello = self._receive({"op": "start"}, START_TIMEOUT_S, time.monotonic() + START_TIMEOUT_S)
+        except RewardFailed as err:  # its output's tail is in the log line
+            raise RewardFailed(f"the reward sandbox could not start: {err}") from None
+        if hello.get("op") != "ready":
+            self._stop()
+            raise RewardFailed(f"the reward sandbox could not start: {hello.get('error')}")
+        self.info = hello
+        log.debug("reward_sandbox_started", pid=self.pid, uid=hello["uid"], namespaces=hello["namespaces"])
+        for ref, options in self._functions:
+            try:
+                reply = self._request({"op": "load", "ref": ref, "options": options}, START_TIMEOUT_S)
+            except RewardFailed as err:
+                reply = {"status": "error", "error": str(err)}
+            if reply.get("status") != "ok":
+                self._stop()
+                problem = "cannot be imported" if reply["status"] == "error" else f"does not take the options {options}"
+                raise RewardFailed(f"reward function {ref!r} {problem}: {reply['error']}")
+
+    def _warn_of_gaps(self, hello: dict[str, Any]) -> None:
+        """A warning for each protection the sandbox lacks, at its first call (a config check makes no call
+        and stays quiet)."""
+        functions = sorted({ref for ref, _ in self._functions})
+        if hello["namespaces_refused"] is not None:
+            log.warning(
+                "reward_sandbox_not_isolated",
+                reason=hello["namespaces_refused"],
+                functions=functions,
+                effect="user code keeps the network and can leave the process group (setsid)",
+                fix="allow unprivileged user namespaces, or run the reward worker in a container without network",
+            )
+        if hello["uid"] == 0:
+            log.warning(
+                "reward_sandbox_runs_as_root",
+                functions=functions,
+                effect="user code can lift its limits and read every file",
+                fix="set sandbox.user to an unprivileged uid",
+            )
+        elif hello["unreadable"] is not None:
+            log.warning(
+                "reward_sandbox_reads_all_files",
+                uid=hello["uid"],
+                unreadable=hello["unreadable"],
+                effect="it keeps CAP_DAC_READ_SEARCH: it can read every file, though not write, signal or trace",
+                fix="make the Python installation and the import path readable for that uid",
+            )
+
+    def _request(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        assert self._process is not None
+        deadline = time.monotonic() + timeout_s
+        self._process.sent += 1
+        request["id"] = self._process.sent
+        try:
+            data = json.dumps(request).encode() + b"\n"
+        except (TypeError, ValueError) as err:  # options YAML could hold, JSON cannot
+            raise RewardFailed(describe(err)) from None
+        try:
+            self._process.write(data, deadline)
+        except TimeoutError:
+            self._abandon(request, timeout_s)
+        except BrokenPipeError:
+            self._died()
+        reply = self._receive(request, timeout_s, deadline)
+        if reply.get("id") != request["id"] or reply.get("status") not in ("ok", "error", "bad_options"):
+            self._broken(f"a reply that is not the answer to request {request['id']}")
+        if reply["status"] != "ok" and not isinstance(reply.get("error"), str):
+            self._broken("an error reply without an error text")
+        return reply
+
+    def _value(self, reply: dict[str, Any]) -> RewardValue:
+        """The value of an ok reply; one the child's own check would have refused means the reply is forged."""
+        try:
+            return checked(reply["value"])
+        except (KeyError, TypeError, ValueError, OverflowError):
+            self._broken("a value that is not a float or a dict of floats")
+
+    def _receive(self, request: dict[str, Any], timeout_s: float, deadline: float) -> dict[str, Any]:
+        """The next reply line as a dict; the sandbox is stopped and RewardFailed raised if there is none."""
+        assert self._process is not None
+        try:
+            line = self._process.replies.line(deadline)
+        except TimeoutError:
+            self._abandon(request, timeout_s)
+        except EOFError:
+            self._died()
+        except LineTooLong:
+            self._broken(f"a reply of more than {MAX_REPLY_BYTES} bytes")
+        try:
+            reply = json.loads(line)
+        except (ValueError, RecursionError):
+            self._broken("a reply that is not JSON")
+        if not isinstance(reply, dict):
+            self._broken("a reply that is not a JSON object")
+        return reply
+
+    def _abandon(self, request: dict[str, Any], timeout_s: float) -> NoReturn:
+        log.warning(
+            "reward_timeout",
+            request=request["op"],
+            function=request.get("ref"),
+            timeout_s=timeout_s,
+            output_tail=self.output_tail(),
+        )
+        self._stop()
+        raise RewardFailed(f"timed out after {timeout_s:g}s")
+
+    def _died(self) -> NoReturn:
+        assert self._process is not None
+        pid, tail = self.pid, self.output_tail()
+        code = self._stop()
+        log.warning("reward_process_died", pid=pid, code=code, output_tail=tail)
+        raise RewardFailed(f"RewardProcessDied: the reward process {_how_it_ended(code)}")
+
+    def _broken(self, what: str) -> NoReturn:
+        log.warning("reward_protocol_error", pid=self.pid, problem=what, output_tail=self.output_tail())
+        self._stop()
+        raise RewardFailed(f"RewardProtocolError: the reward process sent {what}")
+
+    def _stop(self) -> int | None:
+        """Kill the sandbox if there is one; the supervisor's exit code (the server's status)."""
+        process, self._process = self._process, None
+        return None if process is None else process.kill()
+
+
+def _how_it_ended(code: int | None) -> str:
+    """The supervisor's exit code in words: it exits with the server's code, or 128 + the signal that killed it."""
+    if code is None:
+        return "exited"
+    number = -code if code < 0 else max(code - 128, 0)
+    if not number:
+        return f"exited (code {code})"
+    try:
+        return f"was killed by {signal.Signals(number).name}"
+    except ValueError:
+        return f"was killed by signal {number}"

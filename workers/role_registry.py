@@ -1,0 +1,317 @@
+"""The role registry: the only list of roles. Everything else (the chain of a run, hence its topology
+and NATS permissions, `relax worker`, `relax run`, the test harnesses) reads it.
+
+A role is one module under `workers/roles/` with an `async def serve(ctx: RoleContext) -> None`, plus
+one entry here: its name, the hop it reads, the hop it writes, what else it touches (`Grants`), and
+when it is part of a run. The module is imported only by the process that runs the role, so a
+role whose code needs no torch never loads it. The config derives a run's chain from this module
+(`PipelineConfig.chain`), so it sits below `workers.config` and sees a run's config as `RunShape`: what the
+entries read of it.
+
+    feeder     publish prompts; write feeder.cursor; watch policy.version; follow dead letters
+    rollout    pull prompts, publish rollouts; read weights, watch policy.version
+    reward     pull rollouts, publish scored (train when the run has no reference role)
+    reference  pull scored, publish train; read weights, watch policy.version
+    actor      pull train, rewind its durable; publish prompts (requeues); write weights,
+               policy.version, trainer.*, groups.dropped
+    metrics    follow events (its own durable, rewound to its ack floor), write the sinks; read the
+               run's consumer, stream and worker state (Prometheus gauges)
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from workers.state_keys import (
+    FEEDER_CURSOR,
+    GROUPS_DROPPED,
+    GROUPS_FILTERED,
+    POLICY_VERSION,
+    TRAINER_CHECKPOINT,
+    TRAINER_DONE,
+    TRAINER_STEP,
+    WEIGHTS_BROADCAST,
+)
+
+if TYPE_CHECKING:
+    from relax_bus.chain import Role
+
+
+class RunShape(Protocol):
+    """What the entries read of a run's config (a `workers.config.PipelineConfig`)."""
+
+    @property
+    def reference(self) -> bool:
+        """Whether the run has the reference role."""
+
+    @property
+    def roles(self) -> Any:
+        """Process counts per role (`roles.rollout`, `roles.reward`, `roles.reference`)."""
+
+    @property
+    def trainer(self) -> Any:
+        """The trainer section (`trainer.nproc`, `trainer.nnodes`)."""
+
+    @property
+    def metrics(self) -> Any:
+        """The metrics section (`metrics.enabled`)."""
+
+
+def _always(config: RunShape) -> bool:
+    return True
+
+
+def _with_reference(config: RunShape) -> bool:
+    return config.reference
+
+
+def _with_metrics(config: RunShape) -> bool:
+    return config.metrics.enabled
+
+
+def _one(config: RunShape) -> int:
+    return 1
+
+
+@dataclass(frozen=True)
+class RoleDeploy:
+    """How one role is deployed, where it differs from the defaults."""
+
+    compose_about: str = ""
+    """Comment lines above its compose service."""
+    compose_extra: str = ""
+    """More keys of its compose service (YAML, indented as the service's keys)."""
+    k8s_about: str = "Runs `relax worker {role}` (durable consumer `{role}` of its input hop)."
+    """Comment lines at the top of its Kubernetes manifest."""
+    k8s_spec: str = ""
+    """Keys of its Deployment's spec before the selector (replicas, strategy)."""
+    requests: str = "{cpu: 500m, memory: 512Mi}"
+    limits: str = "{memory: 1Gi}"
+    k8s_container: str = ""
+    """More keys of its container (ports)."""
+    k8s_more: str = ""
+    """More documents of its manifest (a Service)."""
+    hand_written: bool = False
+    """Its manifest is deploy/k8s/base/<role>.yaml as edited by hand (listed in the kustomization still)."""
+
+
+@dataclass(frozen=True)
+class RoleDef:
+    """One role: where it sits in the chain and where its code is."""
+
+    name: str
+    input: str | None
+    output: Callable[[RunShape], str | None]
+    grants: dict[str, Any]
+    """Keyword arguments of its `relax_bus.chain.Grants` (kept plain so reading the registry is cheap)."""
+    module: str
+    """Module with `async def serve(ctx)`; imported only when the role runs."""
+    enabled: Callable[[RunShape], bool] = _always
+    """Whether a run with this config has the role."""
+    why_absent: str = ""
+    """Said when someone starts the role in a run that has none."""
+    torch_threads: bool = True
+    """Whether `relax worker --threads` applies (the role runs torch)."""
+    processes: Callable[[RunShape], int] = _one
+    """How many processes of the role `relax run` starts."""
+    ranks: Callable[[RunShape], int] = _one
+    """Processes per instance: above 1, `relax run` starts the role under torchrun with that many ranks."""
+    nodes: Callable[[RunShape], int] = _one
+    """Machines one instance spans, each with `ranks` processes: above 1, `relax worker` re-executes itself
+    under torchrun with a c10d rendezvous, and `relax run` starts that many torchrun agents on this machine."""
+    ends_run: bool = False
+    """The run is over when this role exits by itself (the trainer, after its last step)."""
+    exits_when_done: bool = False
+    """Exits 0 by itself once the run is done (the others run until stopped)."""
+    deploy: RoleDeploy = RoleDeploy()
+    """How compose and Kubernetes run it (`python -m workers.launch.deploy_files` writes the files from it)."""
+    checks: tuple[str, ...] = ()
+    """The pre-start checks (`workers.preflight.CHECKS`) of the parts of the config it uses, run when it starts:
+    a config that cannot work for it is refused with exit code 2 before it does anything."""
+
+    def role(self, config: RunShape) -> Role:
+        """Its place in the chain of a run with `config`."""
+        from relax_bus.chain import Grants, Role
+
+        return Role(name=self.name, input=self.input, output=self.output(config), grants=Grants(**self.grants))
+
+    def serve(self) -> Callable[[Any], Awaitable[None]]:
+        """The role's entry point (imports its module)."""
+        fn: Callable[[Any], Awaitable[None]] = importlib.import_module(self.module).serve
+        return fn
+
+
+ROLES: tuple[RoleDef, ...] = (
+    RoleDef(
+        "feeder",
+        input=None,
+        output=lambda c: "prompts",
+        grants=dict(state_keys=(FEEDER_CURSOR,), reaps=False, reads_dead_letters=True, watches_version=True),
+        module="workers.roles.feeder",
+        deploy=RoleDeploy(
+            k8s_about=(
+                "Publishes the prompts of each step; keeps its place in KV (feeder.cursor), so a rescheduled feeder\n"
+                "continues where the last one stopped. It exits 0 once the run is done."
+            ),
+            k8s_spec=(
+                "replicas: 1\nstrategy:\n"
+                "  type: Recreate                  # one feeder at a time: it owns feeder.cursor"
+            ),
+            requests="{cpu: 250m, memory: 512Mi}",
+        ),
+        torch_threads=False,
+        exits_when_done=True,
+        checks=("task",),
+    ),
+    RoleDef(
+        "rollout",
+        input="prompts",
+        output=lambda c: "rollouts",
+        grants=dict(reads_weights=True, watches_version=True),
+        module="workers.roles.rollout",
+        deploy=RoleDeploy(
+            compose_extra="deploy:\n  mode: replicated\n  replicas: 2",
+            k8s_about=(
+                "Generates groups from the prompts (durable consumer `rollout` of RELAX_<run>_PROMPTS). Stateless:\n"
+                "replicas share the durable, and KEDA (scaledobjects.yaml) sets their number from its lag."
+            ),
+            requests='{cpu: "1", memory: 2Gi}',
+            limits="{memory: 4Gi}",
+        ),
+        processes=lambda c: c.roles.rollout,
+        checks=("model", "prompt_format", "engine"),
+    ),
+    RoleDef(
+        "reward",
+        input="rollouts",
+        output=lambda c: "scored" if c.reference else "train",
+        grants=dict(state_keys=(GROUPS_FILTERED,)),  # dynamic sampling's filtered set
+        module="workers.roles.reward",
+        deploy=RoleDeploy(
+            compose_extra="deploy:\n  mode: replicated\n  replicas: 2",
+            k8s_about="Scores rollouts (durable consumer `reward` of RELAX_<run>_ROLLOUTS). Stateless; KEDA scales it.",
+        ),
+        torch_threads=False,
+        processes=lambda c: c.roles.reward,
+        checks=("task", "rewards"),
+    ),
+    RoleDef(
+        "reference",
+        input="scored",
+        output=lambda c: "train",
+        grants=dict(reads_weights=True, watches_version=True),
+        module="workers.roles.reference",
+        deploy=RoleDeploy(
+            compose_about=(
+                "Only runs with trainer.kl_coef > 0 have a reference role (examples/compose.yaml has none; a\n"
+                "reference worker of a run without one exits with an error): docker compose --profile reference up -d"
+            ),
+            compose_extra='profiles: ["reference"]',
+            k8s_about=(
+                "Reference log-probs for the KL term (durable consumer `reference` of RELAX_<run>_SCORED). A\n"
+                "reference worker of a run without the role exits with an error: scale it up only where it exists."
+            ),
+            k8s_spec=(
+                "replicas: 0                       # only runs with trainer.kl_coef > 0 have one (the demo has none)"
+            ),
+            requests='{cpu: "1", memory: 2Gi}',
+            limits="{memory: 4Gi}",
+        ),
+        enabled=_with_reference,
+        why_absent="trainer.kl_coef is 0",
+        processes=lambda c: c.roles.reference,
+        checks=("model",),
+    ),
+    RoleDef(
+        "actor",
+        input="train",
+        output=lambda c: None,
+        grants=dict(
+            state_keys=(
+                POLICY_VERSION,
+                GROUPS_DROPPED,
+                TRAINER_STEP,
+                TRAINER_CHECKPOINT,
+                TRAINER_DONE,
+                WEIGHTS_BROADCAST,
+            ),
+            publishes=("prompts",),
+            reads_weights=True,
+            writes_weights=True,
+            reaps=False,
+            resets_consumer=True,
+        ),
+        module="workers.roles.actor",
+        deploy=RoleDeploy(
+            compose_about="Warm-up, version 0, then trainer.steps GRPO steps; exits 0 when the run is done.",
+            hand_written=True,
+        ),
+        ranks=lambda c: c.trainer.nproc,
+        nodes=lambda c: c.trainer.nnodes,
+        ends_run=True,
+        exits_when_done=True,
+        checks=("model", "task"),
+    ),
+    RoleDef(
+        "metrics",
+        input="events",
+        output=lambda c: None,
+        grants=dict(reaps=False, resets_consumer=True, observes=True),
+        module="workers.roles.metrics",
+        deploy=RoleDeploy(
+            compose_about=(
+                "The run's metrics and events into .relax/work/<run>/metrics/ of the relax-work volume: "
+                "metrics.jsonl,\nTensorBoard event files and an offline W&B run (docs/metrics.md); restarted, "
+                "it continues from its\n"
+                "durable. Its Prometheus endpoint (the run config's metrics.prometheus_port, 9464 in\n"
+                "examples/compose.yaml) is published on loopback: curl -s 127.0.0.1:9464/metrics"
+            ),
+            compose_extra='ports:\n  - "127.0.0.1:${RELAX_METRICS_PORT:-9464}:9464"',
+            k8s_about=(
+                "The metrics role: follows the run's events and serves Prometheus gauges on the `metrics` port (the\n"
+                "run config's metrics.prometheus_port, on 0.0.0.0: base/run.yaml), behind the Service below and the\n"
+                "ServiceMonitor (servicemonitor.yaml). Its file sinks (metrics.jsonl, TensorBoard) are written to the\n"
+                "pod's work dir, an emptyDir: mount a volume claim at /var/lib/relax to keep them past the pod."
+            ),
+            k8s_spec="replicas: 1",
+            requests="{cpu: 100m, memory: 256Mi}",
+            limits="{memory: 512Mi}",
+            k8s_container="ports:\n  - name: metrics\n    containerPort: 9464",
+            k8s_more=(
+                "apiVersion: v1\n"
+                "kind: Service\n"
+                "metadata:\n"
+                "  name: relax-metrics\n"
+                "  labels:\n"
+                "    app.kubernetes.io/component: metrics\n"
+                "spec:\n"
+                "  selector:\n"
+                "    app.kubernetes.io/component: metrics\n"
+                "  ports:\n"
+                "    - name: metrics\n"
+                "      port: 9464\n"
+                "      targetPort: metrics"
+            ),
+        ),
+        enabled=_with_metrics,
+        why_absent="metrics.enabled is false",
+        torch_threads=False,
+    ),
+)
+ROLE_NAMES = tuple(r.name for r in ROLES)
+
+
+def role_def(name: str) -> RoleDef:
+    """The registry entry of `name`; ValueError naming the known roles otherwise."""
+    for r in ROLES:
+        if r.name == name:
+            return r
+    raise ValueError(f"unknown role {name!r} (roles: {', '.join(ROLE_NAMES)})")
+
+
+def chain_of(config: RunShape) -> tuple[Role, ...]:
+    """The roles of a run with `config`, in order."""
+    return tuple(r.role(config) for r in ROLES if r.enabled(config))

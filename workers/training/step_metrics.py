@@ -1,0 +1,76 @@
+"""A trainer step's metrics: summed over the micro-batches of each update (and over ranks), averaged over the
+step's updates.
+
+    loss, kl          summed over micro-batches: each is already that micro-batch's share of the mini-batch's loss
+    batch ones        the step's rewards (before shaping) and response tokens (after masking)
+    per-token ones    weighted by each micro-batch's valid tokens, divided by the mini-batch's (all ranks)
+    largest ones      maxima over micro-batches, ranks and the step's updates (`tis_max`)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from workers.training.batch import Batch
+from workers.training.corrections import CORRECTION_METRICS
+from workers.training.policy_losses import LOSS_METRICS
+from workers.training.ranks import OneProcess
+
+LARGEST = ("tis_max",)
+TOKEN_METRICS = tuple(n for n in (*LOSS_METRICS, *CORRECTION_METRICS) if n not in LARGEST)
+
+
+class UpdateSums:
+    """One update's metrics, accumulated over its micro-batches."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+
+    def add(self, loss: torch.Tensor, metrics: dict[str, float], tokens: float) -> None:
+        """A micro-batch's loss and metrics (`kl` when a KL term is on); `tokens`: its valid tokens."""
+        s = self.sums
+        s["kl"] += metrics.get("kl", 0.0)
+        s["loss"] += float(loss.detach())
+        for name in TOKEN_METRICS:
+            s[name] += metrics[name] * tokens
+        for name in LARGEST:
+            s[name] = max(s[name], metrics[name])
+
+    def reduced(self, ranks: OneProcess, tokens: float) -> dict[str, float]:
+        """The update's metrics over every rank; `tokens`: the mini-batch's valid tokens on all ranks."""
+        names = ["loss", "kl", *TOKEN_METRICS]
+        values = ranks.sum([self.sums[n] for n in names])
+        largest = ranks.max([self.sums[n] for n in LARGEST])
+        out = dict(zip([*names, *LARGEST], [*values, *largest], strict=True))
+        for name in TOKEN_METRICS:
+            out[name] /= max(tokens, 1.0)
+        return out
+
+
+class StepSums:
+    """The step's metrics over its updates: means, and maxima for the largest ones."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self.largest: dict[str, float] = defaultdict(float)
+
+    def add(self, update: dict[str, float]) -> None:
+        for name, value in update.items():
+            if name in LARGEST:
+                self.largest[name] = max(self.largest[name], value)
+            else:
+                self.totals[name] += value
+
+    def means(self, updates: int) -> dict[str, float]:
+        return {**{name: value / updates for name, value in self.totals.items()}, **self.largest}
+
+
+def batch_metrics(batch: Batch) -> dict[str, float]:
+    """The step's rewards (mean, population std; before shaping) and response tokens."""
+    return {
+        "reward_mean": float(batch.rewards.mean()),
+        "reward_std": float(batch.rewards.std(unbiased=False)),
+        "response_tokens": float(batch.mask.sum()),
+    }
