@@ -38,9 +38,7 @@ ROWS: dict[str, dict[str, Any]] = {
     "dual_clip 4 updates": {"mini_batches": 4, "loss": "dual_clip"},
     "gspo 4 updates": {
         "mini_batches": 4,
-        "loss": "gspo",
-        "clip_low": 3e-4,
-        "clip_high": 4e-4,
+        "loss": {"type": "gspo", "clip_low": 3e-4, "clip_high": 4e-4},
         "aggregation": "sequence",
     },
     "cispo 4 updates": {"mini_batches": 4, "loss": "cispo"},
@@ -54,7 +52,8 @@ def row_config(base: PipelineConfig, trainer: dict[str, Any], warm: Path, steps:
     data = base.model_dump()
     data["run"] = "bench-algorithms"
     data["model"]["source"] = str(warm)
-    data["trainer"].update(steps=steps, checkpoint_every=steps, **trainer)
+    data["trainer"].update(steps=steps, **trainer)
+    data["trainer"]["checkpoint"]["every"] = steps
     data["trainer"]["warmup"]["max_steps"] = 0
     return PipelineConfig.model_validate(data)
 

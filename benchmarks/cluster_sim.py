@@ -80,7 +80,7 @@ def make_config(args: argparse.Namespace, workers: int, mode: str, median: float
             },
             "trainer": {
                 "steps": args.steps,
-                "checkpoint_every": args.steps,
+                "checkpoint": {"every": args.steps},
                 "warmup": {"max_steps": 0},
                 "simulate": {"step_s": TRAIN_SHARE * unit},
             },

@@ -49,7 +49,7 @@ class Colocated:
 
     def __init__(self, config: PipelineConfig, model_dir: Path) -> None:
         self.config = config
-        self.engine = TorchEngine(model_dir, record_routing=config.trainer.routing_replay == "r3")
+        self.engine = TorchEngine(model_dir, record_routing=config.trainer.moe.routing_replay == "r3")
         self.trainer = PolicyTrainer(model_dir, config)
         self.scorer = make_scorer_from(config)
         self.items = load_task(task_spec(config.task))

@@ -7,8 +7,8 @@
 Each config runs once with the real launcher (`relax run`'s `launch`: an embedded nats-server, every role a
 process; the supervised warm-up off, since only step timing is read), checkpointing every 10 steps. `smollm2`
 needs the model directory of `make smollm2` (models/SmolLM2-135M-Instruct). A name is the example followed by
-variants: `-shm` runs `weights: {type: shm}`, `-sharded` writes sharded checkpoints (`trainer.checkpoint_dir`
-in the run directory) instead of whole ones into the object store, `-ahead` sets `trainer.read_ahead: on` (a CPU
+variants: `-shm` runs `weights: {type: shm}`, `-sharded` writes sharded checkpoints (`trainer.checkpoint.dir`
+in the run directory) instead of whole ones into the object store, `-ahead` sets `trainer.compute.read_ahead: on` (a CPU
 trainer's `auto` is off). From the actor's Metric of every step after
 the first two:
 
@@ -54,8 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"demo": ROOT / "examples" / "demo.yaml", "smollm2": ROOT / "examples" / "smollm2.yaml"}
 VARIANTS = {"shm", "sharded", "ahead"}
 """Name parts after the example: `-shm` runs the shared-memory weight transport, `-sharded` writes sharded
-checkpoints into the run directory (`trainer.checkpoint_dir`) instead of whole ones into the object store,
-`-ahead` reads the next step's groups while a step trains (`trainer.read_ahead: on`)."""
+checkpoints into the run directory (`trainer.checkpoint.dir`) instead of whole ones into the object store,
+`-ahead` reads the next step's groups while a step trains (`trainer.compute.read_ahead: on`)."""
 SKIP = 2  # the first steps pay start-up costs (engine warm caches, first weight fetches)
 CHECKPOINT_EVERY = 10
 
@@ -69,16 +69,16 @@ def configure(name: str, steps: int, run_dir: Path) -> PipelineConfig:
         "run": f"bench-cp-{name}",
         "trainer.steps": steps,
         "trainer.warmup.max_steps": 0,
-        "trainer.checkpoint_every": CHECKPOINT_EVERY,
+        "trainer.checkpoint.every": CHECKPOINT_EVERY,
     }
     if example == "demo":
         overrides["trainer.warmup.noise_steps"] = 0
     if "shm" in variants:
         overrides["weights"] = {"type": "shm"}
     if "sharded" in variants:
-        overrides["trainer.checkpoint_dir"] = str(run_dir.resolve() / "checkpoints")
+        overrides["trainer.checkpoint.dir"] = str(run_dir.resolve() / "checkpoints")
     if "ahead" in variants:
-        overrides["trainer.read_ahead"] = "on"
+        overrides["trainer.compute.read_ahead"] = "on"
     return load_config(CONFIGS[example], overrides)
 
 

@@ -3,7 +3,7 @@
     python benchmarks/gpu_check.py [--device cuda] [--model models/SmolLM2-135M-Instruct] [--out FILE]
 
 Cases, each timed after one untimed warm-up call (a case that cannot run is recorded with its reason):
-- trainer step of `tiny:128x2` and of the real model (bf16 on CUDA by `trainer.precision: auto`), one
+- trainer step of `tiny:128x2` and of the real model (bf16 on CUDA by `trainer.compute.precision: auto`), one
   process: 64 sequences of ~96 tokens (random token ids, GRPO rewards), whole batch in one pass and
   micro-batched at 1,024 padded tokens: step time, trained tokens/s, peak device memory;
 - the torch engine: 64 prompts x 32 new tokens, generated tokens/s;
@@ -101,7 +101,7 @@ def trainer_case(name: str, model_dir: Path, device: str, budget: int | None) ->
             "groups_per_step": GROUPS,
             "samples_per_group": SAMPLES,
             "rollout": {"max_new_tokens": RESPONSE},
-            "trainer": {"lr": 1e-6, "device": device, "micro_batch_tokens": budget},
+            "trainer": {"optim": {"lr": 1e-6}, "compute": {"device": device, "micro_batch_tokens": budget}},
         }
     )
     trainer = PolicyTrainer(model_dir, config)

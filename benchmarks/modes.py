@@ -79,7 +79,8 @@ def mode_config(
     if correction:
         data["trainer"]["correction"] = {"type": correction}
     data["model"]["source"] = str(warm)
-    data["trainer"].update(steps=steps, checkpoint_every=steps)
+    data["trainer"]["steps"] = steps
+    data["trainer"]["checkpoint"]["every"] = steps
     data["trainer"]["warmup"]["max_steps"] = 0
     return PipelineConfig.model_validate(data)
 

@@ -120,9 +120,11 @@ def rollout_overhead(args, model_dir, config, prompts, ids) -> dict[str, Any]:
 
 def trainer_overhead(args, model_dir, groups) -> dict[str, Any]:
     trainers = {
-        "off": PolicyTrainer(model_dir, base_config(args, routing_replay="off")),
-        "r3_replay_only": PolicyTrainer(model_dir, base_config(args, routing_replay="r3", routing_metrics_fraction=0)),
-        "r3": PolicyTrainer(model_dir, base_config(args, routing_replay="r3")),
+        "off": PolicyTrainer(model_dir, base_config(args, moe={"routing_replay": "off"})),
+        "r3_replay_only": PolicyTrainer(
+            model_dir, base_config(args, moe={"routing_replay": "r3", "metrics_fraction": 0})
+        ),
+        "r3": PolicyTrainer(model_dir, base_config(args, moe={"routing_replay": "r3"})),
     }
     times: dict[str, list[float]] = {k: [] for k in trainers}
     for rep in range(args.repeat + 1):
@@ -173,14 +175,14 @@ def mismatch_rows(args, model_dir, config, prompts, ids) -> list[dict[str, Any]]
         engine = TorchEngine(model_dir, record_routing=True)
         perturb_routers(engine.model, noise, seed=17)
         groups, _ = generate(engine, config, prompts, ids, seed=3)
-        trainer = PolicyTrainer(model_dir, base_config(args, routing_replay="r3", routing_metrics_fraction=1.0))
+        trainer = PolicyTrainer(model_dir, base_config(args, moe={"routing_replay": "r3", "metrics_fraction": 1.0}))
         rows.append({"case": f"router +{noise:.0%} noise (simulated)", **mismatch(trainer, groups)})
     engine = TorchEngine(model_dir, record_routing=True)
     groups, _ = generate(engine, config, prompts, ids, seed=3)
     drill, _ = generate(engine, config, prompts, ids, seed=4)  # other data to make the updates on, rewards
     drill = [with_rewards(g) for g in drill]  # alternating so that the advantages (and the updates) are not zero
     for updates in UPDATES:
-        trainer = PolicyTrainer(model_dir, base_config(args, routing_replay="r3", routing_metrics_fraction=1.0))
+        trainer = PolicyTrainer(model_dir, base_config(args, moe={"routing_replay": "r3", "metrics_fraction": 1.0}))
         for _ in range(updates):
             trainer.step(drill)
         rows.append({"case": f"{updates} real update(s) behind", **mismatch(trainer, groups)})
@@ -193,7 +195,7 @@ def reward_runs(args, work: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"warmup": info}
     for noise, mode in ((0.0, "off"), (0.0, "r3"), (args.reward_noise, "off"), (args.reward_noise, "r3")):
         torch.manual_seed(0)
-        colocated = Colocated(base_config(args, routing_replay=mode), warm)
+        colocated = Colocated(base_config(args, moe={"routing_replay": mode}), warm)
         if noise:  # SIMULATED: the engine's routers drift from the trainer's after every weight load
             load = colocated.engine.load_state_dict
 

@@ -51,7 +51,7 @@ def make_config(args: argparse.Namespace, workers: int, rewards: int) -> Pipelin
             "rollout": {"engine": "sim", "max_new_tokens": 4, "batch_groups": args.groups_per_step},
             "trainer": {
                 "steps": args.groups // args.groups_per_step,
-                "checkpoint_every": args.groups // args.groups_per_step,
+                "checkpoint": {"every": args.groups // args.groups_per_step},
                 "warmup": {"max_steps": 0},
                 "simulate": {"step_s": 0.0},
             },

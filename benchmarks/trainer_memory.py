@@ -66,7 +66,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
                 "groups_per_step": len(groups),
                 "samples_per_group": GROUP,
                 "model": {"source": str(model_dir)},
-                "trainer": {"lr": 1e-6, "micro_batch_tokens": args.budget, "kl_coef": 0.0},
+                "trainer": {"optim": {"lr": 1e-6}, "compute": {"micro_batch_tokens": args.budget}, "kl": {"coef": 0.0}},
             }
         )
         PolicyTrainer(model_dir, config).step(groups)

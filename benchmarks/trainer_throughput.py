@@ -11,7 +11,7 @@ between half and all of `--response-tokens`, a fixed seed), random rewards. Thre
 - plain loop: what a user would write with transformers alone: per micro-batch (the trainer's packing,
   same token budget) `model(ids, attention_mask).logits`, log-softmax, the response tokens' log-probs,
   a token-mean policy-gradient loss, backward; then gradient clipping and one AdamW step.
-- trainer, plain pass: `PolicyTrainer.step` with `trainer.shared_prompt: false` (advantages, decoupled
+- trainer, plain pass: `PolicyTrainer.step` with `trainer.compute.shared_prompt: false` (advantages, decoupled
   PPO + TIS loss, exact micro-batch normalisation, metrics).
 - trainer, shared prompt: the default, each prompt forwarded once per micro-batch (`workers.training.shared_prompt`).
 
@@ -119,7 +119,11 @@ def trainer(model_dir: Path, groups: list[TrainGroup], lr: float, budget: int | 
             "groups_per_step": len(groups),
             "samples_per_group": len(groups[0].scored.rollout.samples),
             "model": {"source": str(model_dir)},
-            "trainer": {"lr": lr, "micro_batch_tokens": budget, "shared_prompt": shared, "kl_coef": 0.0},
+            "trainer": {
+                "optim": {"lr": lr},
+                "compute": {"micro_batch_tokens": budget, "shared_prompt": shared},
+                "kl": {"coef": 0.0},
+            },
         }
     )
     return PolicyTrainer(model_dir, config)
@@ -185,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         "samples": args.samples,
         "tokens": tokens,
         "prompt_tokens": prompt_tokens,
-        "micro_batch_tokens": budget,
+        "compute": {"micro_batch_tokens": budget},
         "threads": args.threads,
         "rows": rows,
     }

@@ -1,6 +1,6 @@
 """Command-line overrides of a run config: `section.key=value`, deep and typed, validated with the file.
 
-    relax run examples/demo.yaml trainer.lr=1e-4 rollout.engine.type=vllm 'rewards=[{type: exact}]'
+    relax run examples/demo.yaml trainer.optim.lr=1e-4 rollout.engine.type=vllm 'rewards=[{type: exact}]'
 
 The key is a dotted path into the config mapping (a list element by its index: `rewards.0.weight=2`);
 the value is read as a YAML scalar or flow collection (`1e-4` is a float, `[a, b]` a list, `null` is
@@ -44,7 +44,7 @@ def parse_value(text: str) -> Any:
 
 
 def parse_overrides(assignments: Sequence[str]) -> dict[str, Any]:
-    """`["trainer.lr=1e-4", ...]` -> `{"trainer.lr": 0.0001, ...}`; ConfigError listing every malformed one.
+    """`["trainer.optim.lr=1e-4", ...]` -> `{"trainer.optim.lr": 0.0001, ...}`; ConfigError listing every malformed one.
 
     A key given twice keeps its last value (as later flags win)."""
     out: dict[str, Any] = {}

@@ -173,7 +173,7 @@ class BusConfig(BaseModel):
     weights_max_bytes: int | None = Field(default=None, ge=1 << 20)
     """Byte bound of the weights store; null: none. Only the trainer may write this store, and its retention
     bounds it: v0 and the newest weights_keep versions (one more while the next is written) plus the
-    checkpoints (step 0's and the newest trainer.keep_checkpoints, one more while the next is written; about
+    checkpoints (step 0's and the newest trainer.checkpoint.keep, one more while the next is written; about
     3x the weights with AdamW) — ~14 GB for a 135M-parameter float32 model at the defaults, more than a bound
     reserved up front should take from every run. A bound is reserved on the server's disk (JetStream), and a
     put that does not fit fails with an error naming this setting."""
@@ -368,6 +368,9 @@ def validation_problems(err: ValidationError) -> list[str]:
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "<top level>"
         msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "setting_removed":  # a key of an earlier config: the message names it and its new place
+            problems.append(msg)
+            continue
         got = "" if e["type"] in {"missing", "extra_forbidden"} else f" (got {e.get('input')!r})"
         if e["type"] == "extra_forbidden":
             msg = "unknown setting"

@@ -192,7 +192,10 @@ def _config(args: argparse.Namespace, config_model: type[RunConfig]) -> int:
     if args.config_command == "check":
         _preflight(config)  # ConfigError: every problem, exit 2
         roles = ", ".join(r.name for r in config.chain)
-        print(f"config ok: run {config.run}, model {config.model.source}, task {config.task.type}, roles {roles}")
+        print(
+            f"config ok: run {config.run}, model {config.model.source.shorthand()}, task {config.task.type}, "
+            f"roles {roles}"
+        )
         return 0
     data = config.model_dump(mode="json")
     data["chain"] = data.pop("chain")  # derived from the rest: shown last

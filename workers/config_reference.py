@@ -14,7 +14,7 @@ import types
 import typing
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, RootModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
@@ -101,6 +101,11 @@ def _section(prefix: str, model: type[BaseModel], out: list[str], depth: int) ->
     for key, member, union in nested:
         if key == "chain":
             continue  # filled in from the role registry, never written by hand
+        if issubclass(member, RootModel):  # a map (`roles`): one row per key it takes
+            out += [f"{'#' * min(depth + 1, 6)} {key}", "", _plain(member.__doc__), ""]
+            rows = [f"| `{key}.{k}` | int | `{d}` | {_plain(m)} |" for k, d, m in member.rows()]  # type: ignore[attr-defined]
+            out += ["| key | type | default | meaning |", "|---|---|---|---|", *rows, ""]
+            continue
         title = key
         if union and "type" in member.model_fields:
             title = f"{key}: `type: {typing.get_args(member.model_fields['type'].annotation)[0]}`"

@@ -30,7 +30,7 @@ class CheckpointRefused(RelaxBusError):
 
 
 class CheckpointWriteFailed(TemporaryError):
-    """Raised when a rank could not write its shards of a sharded checkpoint (`trainer.checkpoint_dir`): the
+    """Raised when a rank could not write its shards of a sharded checkpoint (`trainer.checkpoint.dir`): the
     checkpoint is not recorded, and the actor fails as after any crash."""
 
 

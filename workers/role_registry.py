@@ -49,11 +49,12 @@ class RunShape(Protocol):
 
     @property
     def roles(self) -> Any:
-        """Process counts per role (`roles.rollout`, `roles.reward`, `roles.reference`)."""
+        """Process counts of the scalable roles (`roles.rollout`, `roles.reward`, `roles.reference`), a
+        `workers.config.RolesConfig` with `count(name)`."""
 
     @property
     def trainer(self) -> Any:
-        """The trainer section (`trainer.nproc`, `trainer.nnodes`)."""
+        """The trainer section (`trainer.distributed.nproc`, `trainer.distributed.nnodes`)."""
 
     @property
     def metrics(self) -> Any:
@@ -115,8 +116,9 @@ class RoleDef:
     """Said when someone starts the role in a run that has none."""
     torch_threads: bool = True
     """Whether `relax worker --threads` applies (the role runs torch)."""
-    processes: Callable[[RunShape], int] = _one
-    """How many processes of the role `relax run` starts."""
+    scalable: str = ""
+    """What several processes of the role do, when `relax run` may start several (`roles.<name>` in the run
+    config, one by default); empty: the role runs as one process."""
     ranks: Callable[[RunShape], int] = _one
     """Processes per instance: above 1, `relax run` starts the role under torchrun with that many ranks."""
     nodes: Callable[[RunShape], int] = _one
@@ -131,6 +133,10 @@ class RoleDef:
     checks: tuple[str, ...] = ()
     """The pre-start checks (`workers.preflight.CHECKS`) of the parts of the config it uses, run when it starts:
     a config that cannot work for it is refused with exit code 2 before it does anything."""
+
+    def processes(self, config: RunShape) -> int:
+        """How many processes of the role `relax run` starts (`roles.<name>` for a scalable role, else 1)."""
+        return int(config.roles.count(self.name)) if self.scalable else 1
 
     def role(self, config: RunShape) -> Role:
         """Its place in the chain of a run with `config`."""
@@ -181,7 +187,7 @@ ROLES: tuple[RoleDef, ...] = (
             requests='{cpu: "1", memory: 2Gi}',
             limits="{memory: 4Gi}",
         ),
-        processes=lambda c: c.roles.rollout,
+        scalable="Rollout (generation) processes; they share the durable of the prompts hop.",
         checks=("model", "prompt_format", "engine"),
     ),
     RoleDef(
@@ -195,7 +201,7 @@ ROLES: tuple[RoleDef, ...] = (
             k8s_about="Scores rollouts (durable consumer `reward` of RELAX_<run>_ROLLOUTS). Stateless; KEDA scales it.",
         ),
         torch_threads=False,
-        processes=lambda c: c.roles.reward,
+        scalable="Reward (scoring) processes; they share the durable of the rollouts hop.",
         checks=("task", "rewards"),
     ),
     RoleDef(
@@ -206,7 +212,7 @@ ROLES: tuple[RoleDef, ...] = (
         module="workers.roles.reference",
         deploy=RoleDeploy(
             compose_about=(
-                "Only runs with trainer.kl_coef > 0 have a reference role (examples/compose.yaml has none; a\n"
+                "Only runs with trainer.kl.coef > 0 have a reference role (examples/compose.yaml has none; a\n"
                 "reference worker of a run without one exits with an error): docker compose --profile reference up -d"
             ),
             compose_extra='profiles: ["reference"]',
@@ -215,14 +221,14 @@ ROLES: tuple[RoleDef, ...] = (
                 "reference worker of a run without the role exits with an error: scale it up only where it exists."
             ),
             k8s_spec=(
-                "replicas: 0                       # only runs with trainer.kl_coef > 0 have one (the demo has none)"
+                "replicas: 0                       # only runs with trainer.kl.coef > 0 have one (the demo has none)"
             ),
             requests='{cpu: "1", memory: 2Gi}',
             limits="{memory: 4Gi}",
         ),
         enabled=_with_reference,
-        why_absent="trainer.kl_coef is 0",
-        processes=lambda c: c.roles.reference,
+        why_absent="trainer.kl.coef is 0",
+        scalable="Reference processes; ignored while `trainer.kl.coef` is 0 (the run then has no reference role).",
         checks=("model",),
     ),
     RoleDef(
@@ -249,8 +255,8 @@ ROLES: tuple[RoleDef, ...] = (
             compose_about="Warm-up, version 0, then trainer.steps GRPO steps; exits 0 when the run is done.",
             hand_written=True,
         ),
-        ranks=lambda c: c.trainer.nproc,
-        nodes=lambda c: c.trainer.nnodes,
+        ranks=lambda c: c.trainer.distributed.nproc,
+        nodes=lambda c: c.trainer.distributed.nnodes,
         ends_run=True,
         exits_when_done=True,
         checks=("model", "task"),
@@ -302,6 +308,8 @@ ROLES: tuple[RoleDef, ...] = (
     ),
 )
 ROLE_NAMES = tuple(r.name for r in ROLES)
+SCALABLE_ROLES = tuple(r.name for r in ROLES if r.scalable)
+"""The roles `relax run` may start several processes of: the keys of the run config's `roles` map."""
 
 
 def role_def(name: str) -> RoleDef:

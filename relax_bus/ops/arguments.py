@@ -18,7 +18,7 @@ CONFIG_HELP = (
     "run config, YAML or JSON (every key: docs/configuration.md; `relax config show CONFIG` fills in defaults)"
 )
 OVERRIDES_HELP = (
-    "settings over CONFIG's, each section.key=value with a YAML value (trainer.lr=1e-4, "
+    "settings over CONFIG's, each section.key=value with a YAML value (trainer.optim.lr=1e-4, "
     "rollout.engine.type=vllm, 'rewards=[{type: exact}]'), validated with the file"
 )
 

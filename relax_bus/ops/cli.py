@@ -175,7 +175,7 @@ def main(
     used; it raises ConfigError); commands find it as `args.preflight`."""
     parser = parser or build_parser()[0]
     args, extra = parser.parse_known_args(argv)
-    # `relax run CONFIG --steps 3 trainer.lr=1e-4`: argparse gives up on positionals after an option,
+    # `relax run CONFIG --steps 3 trainer.optim.lr=1e-4`: argparse gives up on positionals after an option,
     # so assignments that come after a flag arrive here; anything else is an error, as parse_args makes it.
     if extra and isinstance(getattr(args, "overrides", None), list) and all(_is_assignment(e) for e in extra):
         args.overrides += extra

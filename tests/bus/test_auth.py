@@ -125,7 +125,7 @@ async def secured_server(config: PipelineConfig, tmp_path: Path) -> AsyncIterato
 async def secured(tmp_path: Path) -> AsyncIterator[Secured]:
     config = run_config(
         task={"type": "addition", "options": {"seed": 5}},
-        trainer={"steps": 2, "checkpoint_every": 1},
+        trainer={"steps": 2, "checkpoint": {"every": 1}},
         staleness={"max_staleness": 1},
     )
     async with secured_server(config, tmp_path) as s:
@@ -141,7 +141,7 @@ async def provisioned(s: Secured) -> Bus:
 
 
 def test_permissions_follow_the_topology():
-    t = build_topology(run_config(run="r1", trainer={"kl_coef": 0.1}))
+    t = build_topology(run_config(run="r1", trainer={"kl": {"coef": 0.1}}))
     rollout, actor, reward = (permissions(t, r) for r in ("rollout", "actor", "reward"))
     assert "relax.r1.rollouts" in rollout.publish and "relax.r1.train" not in rollout.publish
     assert "relax.r1.scored" in reward.publish and "relax.r1.train" not in reward.publish

@@ -105,7 +105,7 @@ async def test_after_a_real_run_every_state_value_is_json_and_relax_decode_reads
         "run: placeholder\ngroups_per_step: 2\nsamples_per_group: 2\nstaleness: {max_staleness: 1}\n"
         "model: {source: 'tiny:64x2'}\ntask: {type: addition, options: {seed: 1}}\n"
         "rollout: {max_new_tokens: 3, batch_groups: 2}\n"
-        "trainer: {steps: 8, lr: 1.0e-3, warmup: {max_steps: 0}}\nbus: {ack_wait_s: 4, heartbeat_ttl_s: 3}\n"
+        "trainer: {steps: 8, optim: {lr: 1.0e-3}, warmup: {max_steps: 0}}\nbus: {ack_wait_s: 4, heartbeat_ttl_s: 3}\n"
     )
     # The overrides travel the whole way: run id by flag, step count and checkpoints by key=value.
     done = await asyncio.to_thread(
@@ -119,7 +119,7 @@ async def test_after_a_real_run_every_state_value_is_json_and_relax_decode_reads
         "--run-id",
         run,
         "trainer.steps=2",
-        "trainer.checkpoint_every=1",
+        "trainer.checkpoint.every=1",
         "roles.reference=0",
         timeout=540,
     )
@@ -137,7 +137,7 @@ async def check_finished_run(bus: Bus, run: str) -> None:
     state = {key: json.loads(await raw(bus.state, key)) for key in await kv_keys(bus.state)}
     assert state[TRAINER_STEP] == 2 and state[POLICY_VERSION] >= 1 and state[FEEDER_CURSOR] >= 4
     assert state[TRAINER_CHECKPOINT]["step"] == 2 and state[TRAINER_CHECKPOINT]["object"]
-    assert state[CONFIG_KEY]["trainer"]["steps"] == 2 and state[CONFIG_KEY]["trainer"]["checkpoint_every"] == 1
+    assert state[CONFIG_KEY]["trainer"]["steps"] == 2 and state[CONFIG_KEY]["trainer"]["checkpoint"]["every"] == 1
 
     msg = await bus.js.get_msg(f"RELAX_{run}_TRAIN", 1)
     one = relax("decode", stdin=msg.data)  # as `nats stream get ... --translate 'relax decode'` runs it

@@ -27,7 +27,7 @@ def chaos_config() -> PipelineConfig:
     return parse_config(
         small_config(
             run_id(),
-            trainer={"steps": STEPS, "checkpoint_every": 2, "kl_coef": 0.02},
+            trainer={"steps": STEPS, "checkpoint": {"every": 2}, "kl": {"coef": 0.02}},
             bus={"ack_wait_s": 3, "max_deliver": 10},
         )
     )

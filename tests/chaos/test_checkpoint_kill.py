@@ -8,7 +8,7 @@ bus itself: the test subscribes to the weights store's chunk subjects and SIGKIL
 chunk of an upload (weights travel through the filesystem here, so every upload into the store is a
 checkpoint), with a checkpoint of ~75 MB in flight.
 
-Sharded (`trainer.checkpoint_dir`): the actor is killed as soon as a later step's directory has anything in
+Sharded (`trainer.checkpoint.dir`): the actor is killed as soon as a later step's directory has anything in
 it; the restart removes that directory, which no record names, and resumes from the previous one.
 """
 
@@ -38,7 +38,7 @@ async def test_sigkill_mid_checkpoint_resumes_from_the_previous_complete_one(nat
         small_config(
             run_id(),
             model={"source": "tiny:512x2"},  # 6.3 M parameters: model and optimizer state make ~75 MB to upload
-            trainer={"steps": STEPS, "checkpoint_every": 2},
+            trainer={"steps": STEPS, "checkpoint": {"every": 2}},
             weights={"type": "filesystem", "root": str(tmp_path / "weights")},
         )
     )
@@ -90,7 +90,7 @@ async def test_sigkill_mid_sharded_checkpoint_resumes_from_the_previous_complete
         small_config(
             run_id(),
             model={"source": "tiny:512x2"},
-            trainer={"steps": STEPS, "checkpoint_every": 2, "checkpoint_dir": str(root)},
+            trainer={"steps": STEPS, "checkpoint": {"every": 2, "dir": str(root)}},
         )
     )
     cluster = await Cluster.start(nats_server.url, config, tmp_path)

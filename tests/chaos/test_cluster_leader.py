@@ -23,7 +23,9 @@ STEPS = 12
 
 async def test_killing_the_stream_leader_mid_run_loses_nothing(nats_cluster, tmp_path):
     config = parse_config(
-        small_config(run_id(), trainer={"steps": STEPS, "checkpoint_every": 2}, bus={"replicas": 3, "ack_wait_s": 3})
+        small_config(
+            run_id(), trainer={"steps": STEPS, "checkpoint": {"every": 2}}, bus={"replicas": 3, "ack_wait_s": 3}
+        )
     )
     cluster = await Cluster.start(nats_cluster.url, config, tmp_path)
     try:

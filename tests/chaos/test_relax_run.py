@@ -124,7 +124,7 @@ class RelaxRun:
 
 
 async def test_two_sigkills_of_the_embedded_nats_server(tmp_path):
-    run = RelaxRun(tmp_path, trainer={"steps": 40, "checkpoint_every": 4, "warmup": {"max_steps": 0}})
+    run = RelaxRun(tmp_path, trainer={"steps": 40, "checkpoint": {"every": 4}, "warmup": {"max_steps": 0}})
     try:
         await run.wait_steps(1)
         await _each_role_is_its_own_user(run)
@@ -164,7 +164,7 @@ async def _each_role_is_its_own_user(run: RelaxRun) -> None:
 async def test_six_sigkills_of_the_actor_with_requeue(tmp_path):
     run = RelaxRun(
         tmp_path,
-        trainer={"steps": 16, "checkpoint_every": 1, "warmup": {"max_steps": 0}},
+        trainer={"steps": 16, "checkpoint": {"every": 1}, "warmup": {"max_steps": 0}},
         staleness={"max_staleness": 1, "action": "requeue"},
     )
     try:

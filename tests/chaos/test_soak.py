@@ -32,7 +32,7 @@ async def test_soak_keeps_memory_and_queues_bounded(nats_server, tmp_path):
             groups_per_step=per_step,
             staleness={"max_staleness": staleness},
             roles={"rollout": 3, "reward": 2},
-            trainer={"steps": 100_000, "checkpoint_every": 20},
+            trainer={"steps": 100_000, "checkpoint": {"every": 20}},
             bus={"max_ack_pending": per_step},  # the least a step needs: the actor holds one
         )
     )

@@ -133,7 +133,7 @@ def test_worker_for_a_role_the_run_does_not_have(nats_server, tmp_path):
     assert relax("init", cfg, "--nats-url", nats_server.url).returncode == 0
     result = relax("worker", "reference", "--run", "noref", "--nats-url", nats_server.url)
     assert_one_line_error(
-        result, "run noref has no reference role (trainer.kl_coef is 0); its roles: feeder, rollout, reward, actor"
+        result, "run noref has no reference role (trainer.kl.coef is 0); its roles: feeder, rollout, reward, actor"
     )
 
 
@@ -252,7 +252,7 @@ def test_two_rewards_of_one_type_need_names(tmp_path):
 
 
 def test_config_show_prints_defaults_and_the_chain(tmp_path):
-    cfg = write_config(tmp_path, "run: show\ntrainer: {kl_coef: 0.05}\nrollout: {engine: vllm}\n")
+    cfg = write_config(tmp_path, "run: show\ntrainer: {kl: {coef: 0.05}}\nrollout: {engine: vllm}\n")
     shown = relax("config", "show", cfg, "--json")
     assert shown.returncode == 0, shown.stderr
     data = json.loads(shown.stdout)

@@ -37,17 +37,17 @@ def test_values_are_yaml_with_yaml_1_2_floats(text, value):
 
 @pytest.mark.unit
 def test_parse_overrides_maps_dotted_keys_and_lists_every_malformed_one():
-    assert parse_overrides(["trainer.lr=1e-4", "rewards.0.weight=2", "run=x", "run=y"]) == {
-        "trainer.lr": 1e-4,
+    assert parse_overrides(["trainer.optim.lr=1e-4", "rewards.0.weight=2", "run=x", "run=y"]) == {
+        "trainer.optim.lr": 1e-4,
         "rewards.0.weight": 2,
         "run": "y",  # the last one wins
     }
     with pytest.raises(ConfigError) as info:
-        parse_overrides(["trainer.lr", "=3", "a..b=1", "x=[unclosed", "ok=1"])
+        parse_overrides(["trainer.optim.lr", "=3", "a..b=1", "x=[unclosed", "ok=1"])
     assert info.value.source == "command-line overrides"
     assert len(info.value.problems) == 4
     first, empty, dots, yaml_error = info.value.problems
-    assert "'trainer.lr': expected section.key=value" in first
+    assert "'trainer.optim.lr': expected section.key=value" in first
     assert "'' is not a dotted key" in empty and "'a..b' is not a dotted key" in dots
     assert yaml_error.startswith("x: not a YAML value")
 
@@ -59,13 +59,13 @@ def test_apply_overrides_sets_deep_keys_without_touching_the_input():
         data,
         {
             "trainer.warmup.max_steps": 0,
-            "trainer.lr": 1e-4,
+            "trainer.optim.lr": 1e-4,
             "rollout.engine.max_model_len": 512,  # `engine: torch` is the `type` shorthand
             "rewards.0.weight": 2,
             "weights.type": "filesystem",  # a section the file does not have
         },
     )
-    assert out["trainer"] == {"steps": 5, "warmup": {"max_steps": 0}, "lr": 1e-4}
+    assert out["trainer"] == {"steps": 5, "warmup": {"max_steps": 0}, "optim": {"lr": 1e-4}}
     assert out["rollout"] == {"engine": {"type": "torch", "max_model_len": 512}}
     assert out["rewards"] == [{"a": 1, "weight": 2}]
     assert out["weights"] == {"type": "filesystem"}
@@ -89,7 +89,7 @@ def test_config_show_applies_typed_deep_overrides(tmp_path):
         "config",
         "show",
         cfg,
-        "trainer.lr=1e-4",
+        "trainer.optim.lr=1e-4",
         "rollout.engine.type=vllm",
         "rewards=[{type: exact}, {type: numeric, weight: 0.5}]",
         "--json",
@@ -97,7 +97,7 @@ def test_config_show_applies_typed_deep_overrides(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     shown = json.loads(out.stdout)
-    assert shown["trainer"]["lr"] == 1e-4 and shown["trainer"]["steps"] == 5
+    assert shown["trainer"]["optim"]["lr"] == 1e-4 and shown["trainer"]["steps"] == 5
     assert shown["rollout"]["engine"]["type"] == "vllm" and shown["rollout"]["max_new_tokens"] == 8
     assert [r["type"] for r in shown["rewards"]] == ["exact", "numeric"] and shown["rewards"][1]["weight"] == 0.5
     assert shown["staleness"]["max_staleness"] is None
@@ -119,8 +119,10 @@ def test_bad_overrides_are_listed_with_the_files_problems(tmp_path):
 
 @pytest.mark.cli
 def test_a_malformed_override_is_a_one_line_error(tmp_path):
-    out = relax("config", "show", write_config(tmp_path, BASE), "trainer.lr")
-    assert_one_line_error(out, "invalid config command-line overrides", "'trainer.lr': expected section.key=value")
+    out = relax("config", "show", write_config(tmp_path, BASE), "trainer.optim.lr")
+    assert_one_line_error(
+        out, "invalid config command-line overrides", "'trainer.optim.lr': expected section.key=value"
+    )
     flag = relax("config", "show", write_config(tmp_path, BASE), "--json", "--bogus-flag")
     assert flag.returncode == 2 and "unrecognized arguments: --bogus-flag" in flag.stderr
 

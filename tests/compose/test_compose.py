@@ -358,7 +358,7 @@ def test_compose_up_trains_with_two_rollout_replicas(project: Project, say: Say)
     beats = [w for w in info["workers"] if w["role"] == "rollout"]
     assert len({w["worker_id"] for w in beats}) == 2, beats
     assert all(w["counters"].get("processed", 0) > 0 for w in beats), beats
-    # The actor checkpoints into the run's weights store (at step 0 and every trainer.checkpoint_every).
+    # The actor checkpoints into the run's weights store (at step 0 and every trainer.checkpoint.every).
     assert "trainer.checkpoint" in info["state"], info["state"]
     weights = next(o for o in info["object_stores"] if o["key"] == "weights")
     assert weights.get("bytes", 0) > 0, weights

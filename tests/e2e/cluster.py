@@ -37,7 +37,7 @@ def small_config(run: str, **overrides: Any) -> dict[str, Any]:
         "model": {"source": "tiny:64x2"},
         "task": {"type": "addition", "options": {"seed": 1}},
         "rollout": {"max_new_tokens": 3, "batch_groups": 4},
-        "trainer": {"steps": 8, "lr": 1e-3, "checkpoint_every": 2, "warmup": {"max_steps": 0}},
+        "trainer": {"steps": 8, "optim": {"lr": 1e-3}, "checkpoint": {"every": 2}, "warmup": {"max_steps": 0}},
         "bus": {"ack_wait_s": 4, "heartbeat_ttl_s": 3, "duplicate_window_s": 600},
     }
     for key, value in overrides.items():

@@ -20,7 +20,7 @@ async def test_a_run_with_broadcast_weights_trains_every_group_once_and_a_joiner
         small_config(
             f"e2e{uuid.uuid4().hex[:8]}",
             weights={"type": "broadcast", "timeout_s": 5},
-            trainer={"steps": 14, "kl_coef": 0.1},  # the joiner needs versions after the one it joins at
+            trainer={"steps": 14, "kl": {"coef": 0.1}},  # the joiner needs versions after the one it joins at
         )
     )
     cluster = await Cluster.start(nats_server.url, config, tmp_path)

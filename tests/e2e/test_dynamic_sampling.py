@@ -28,7 +28,7 @@ async def test_most_groups_uniform_the_run_still_trains_every_step(nats_server, 
         small_config(
             f"e2e{uuid.uuid4().hex[:8]}",
             staleness={"max_staleness": max_staleness},
-            trainer={"steps": 3, "lr": 1e-3, "checkpoint_every": 2, "warmup": {"max_steps": 0}},
+            trainer={"steps": 3, "optim": {"lr": 1e-3}, "checkpoint": {"every": 2}, "warmup": {"max_steps": 0}},
             rewards=[REWARD],
             sampling={"drop_uniform": True, "max_oversample": 8.0},
         )

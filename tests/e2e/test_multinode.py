@@ -1,4 +1,4 @@
-"""The trainer on several nodes: `trainer.nnodes` and torchrun's c10d rendezvous.
+"""The trainer on several nodes: `trainer.distributed.nnodes` and torchrun's c10d rendezvous.
 
 The whole runs put two "nodes" on this machine, two torchrun agents (`--nnodes=2 --nproc-per-node=1`)
 that meet in one c10d rendezvous on 127.0.0.1 and train over gloo: either each is `relax worker actor
@@ -56,14 +56,16 @@ def log_events(path: Path, name: str) -> list[dict[str, Any]]:
 
 @pytest.mark.unit
 def test_nnodes_and_the_rendezvous_are_validated():
-    ok = parse_config(small_config(run_id(), trainer={"nnodes": 2, "nproc": 2, "rdzv_endpoint": "10.0.0.1:29400"}))
-    assert ok.trainer.world_size == 4
+    ok = parse_config(
+        small_config(run_id(), trainer={"distributed": {"nnodes": 2, "nproc": 2, "rdzv_endpoint": "10.0.0.1:29400"}})
+    )
+    assert ok.trainer.distributed.world_size == 4
     for trainer, needle in [
-        ({"nnodes": 0}, "nnodes"),
-        ({"nnodes": 2, "rdzv_endpoint": "10.0.0.1"}, "host:port"),
-        ({"nnodes": 2, "rdzv_endpoint": "10.0.0.1:99999"}, "host:port"),
-        ({"rdzv_endpoint": "10.0.0.1:29400"}, "set nnodes above 1"),
-        ({"nnodes": 2, "rdzv_id": ""}, "rdzv_id"),
+        ({"distributed": {"nnodes": 0}}, "nnodes"),
+        ({"distributed": {"nnodes": 2, "rdzv_endpoint": "10.0.0.1"}}, "host:port"),
+        ({"distributed": {"nnodes": 2, "rdzv_endpoint": "10.0.0.1:99999"}}, "host:port"),
+        ({"distributed": {"rdzv_endpoint": "10.0.0.1:29400"}}, "set nnodes above 1"),
+        ({"distributed": {"nnodes": 2, "rdzv_id": ""}}, "rdzv_id"),
     ]:
         with pytest.raises((ValidationError, ConfigError), match=needle):
             parse_config(small_config(run_id(), trainer=trainer))
@@ -71,7 +73,7 @@ def test_nnodes_and_the_rendezvous_are_validated():
 
 @pytest.mark.unit
 def test_relax_run_starts_one_torchrun_agent_per_node_at_one_rendezvous(tmp_path):
-    config = parse_config(small_config(run_id(), trainer={"nnodes": 2}))
+    config = parse_config(small_config(run_id(), trainer={"distributed": {"nnodes": 2}}))
     agents = [(i, cmd) for name, i, cmd in role_commands(config, "nats://127.0.0.1:4222", tmp_path) if name == "actor"]
     assert [i for i, _ in agents] == [0, 1]
     flags = [[a for a in cmd if a.startswith("--rdzv") or a.startswith("--n")] for _, cmd in agents]
@@ -84,7 +86,7 @@ def test_relax_run_starts_one_torchrun_agent_per_node_at_one_rendezvous(tmp_path
 
 @pytest.mark.unit
 def test_a_node_needs_an_endpoint_and_keeps_its_arguments():
-    config = parse_config(small_config(run_id(), trainer={"nnodes": 2}))
+    config = parse_config(small_config(run_id(), trainer={"distributed": {"nnodes": 2}}))
     with pytest.raises(ConfigError, match=r"trainer\.rdzv_endpoint"):
         launcher(config, 1, 2, None)
     args = worker_arguments(["--log-level", "info", "worker", "actor", "--run", "r1", "--work-dir", "w"])
@@ -94,7 +96,7 @@ def test_a_node_needs_an_endpoint_and_keeps_its_arguments():
 
 @pytest.mark.unit
 def test_a_trainer_configured_for_two_nodes_refuses_a_world_of_one():
-    config = parse_config(small_config(run_id(), trainer={"nnodes": 2, "nproc": 2}))
+    config = parse_config(small_config(run_id(), trainer={"distributed": {"nnodes": 2, "nproc": 2}}))
     with pytest.raises(ConfigError, match=r"world of 1 ranks.*2 x 2 = 4"):
         check_world(SimpleNamespace(config=config))  # type: ignore[arg-type]
 
@@ -102,7 +104,7 @@ def test_a_trainer_configured_for_two_nodes_refuses_a_world_of_one():
 @pytest.mark.bus
 @pytest.mark.timeout(120)
 async def test_a_node_without_an_endpoint_refuses_in_one_line(nats_server, tmp_path):
-    config = parse_config(small_config(run_id(), trainer={"nnodes": 2}))
+    config = parse_config(small_config(run_id(), trainer={"distributed": {"nnodes": 2}}))
     nc = await connect(ConnectionSettings(nats_url=[nats_server.url]), name="test")
     try:
         await provision_when_ready(nc.jetstream(), config, wait_s=30.0)
@@ -112,7 +114,7 @@ async def test_a_node_without_an_endpoint_refuses_in_one_line(nats_server, tmp_p
         node_command(nats_server.url, config.run, tmp_path), capture_output=True, text=True, timeout=100
     )
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "trainer.rdzv_endpoint" in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "trainer.distributed.rdzv_endpoint" in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
 @pytest.mark.e2e
@@ -121,7 +123,7 @@ async def test_a_node_without_an_endpoint_refuses_in_one_line(nats_server, tmp_p
 async def test_trainer_on_two_nodes_trains_a_run_through_one_c10d_rendezvous(nats_server, tmp_path, start):
     """`relax-worker-on-each-node`: the endpoint in the config, each node the plain `relax worker actor`;
     `relax-run-agents`: no endpoint, the torchrun agents `relax run` starts on one machine."""
-    trainer: dict[str, Any] = {"steps": 4, "nnodes": 2}
+    trainer: dict[str, Any] = {"steps": 4, "distributed": {"nnodes": 2}}
     if start == "relax-worker-on-each-node":
         trainer["rdzv_endpoint"] = f"127.0.0.1:{free_port()}"
     config = parse_config(small_config(run_id(), trainer=trainer))

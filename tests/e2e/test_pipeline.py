@@ -110,7 +110,7 @@ async def test_kill_9_of_a_rollout_worker_loses_nothing(nats_server, tmp_path):
 
 
 async def test_kill_9_of_the_trainer_resumes_from_its_checkpoint(nats_server, tmp_path):
-    config = parse_config(small_config(run_id(), trainer={"steps": 10, "checkpoint_every": 2}))
+    config = parse_config(small_config(run_id(), trainer={"steps": 10, "checkpoint": {"every": 2}}))
 
     async def crash(cluster: Cluster) -> None:
         await cluster.wait_step(5)  # a checkpoint at step 4; step 5 is lost with the process
@@ -141,7 +141,9 @@ async def test_kill_9_of_the_trainer_resumes_from_its_checkpoint(nats_server, tm
 
 async def test_fsdp2_trainer_on_two_ranks_under_torchrun(nats_server, tmp_path):
     root = tmp_path / "checkpoints"
-    config = parse_config(small_config(run_id(), trainer={"steps": 4, "nproc": 2, "checkpoint_dir": str(root)}))
+    config = parse_config(
+        small_config(run_id(), trainer={"steps": 4, "distributed": {"nproc": 2}, "checkpoint": {"dir": str(root)}})
+    )
     cluster = await run(nats_server, tmp_path, config)
     try:
         acc = await cluster.accounting()

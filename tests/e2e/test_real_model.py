@@ -61,13 +61,12 @@ def real_config(model_dir: Path, engine: str, weights: dict) -> dict:
         rollout={"engine": engine, "max_new_tokens": 8, "batch_groups": 2},
         trainer={
             "steps": 4,
-            "lr": 1e-5,
             # Decoupled weight decay moves every matrix at every update, so the exported weights differ from
             # the base even when a 135M model earns the same reward on every sample of a step (no gradient).
-            "weight_decay": 0.1,
-            "checkpoint_every": 4,  # at the start and the end: the export reads the last one
+            "optim": {"lr": 1e-5, "weight_decay": 0.1},
+            "checkpoint": {"every": 4},  # at the start and the end: the export reads the last one
             "mini_batches": 2,
-            "micro_batch_tokens": 256,
+            "compute": {"micro_batch_tokens": 256},
             "warmup": {"max_steps": 0},
         },
         weights=weights,

@@ -24,7 +24,7 @@ LENGTH = {"type": "python", "options": {"function": "tests.workers.reward_fns:le
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["object-store-checkpoints", "sharded-checkpoints"])
 async def test_replay_reproduces_the_logged_loss(nats_server, tmp_path, sharded):
-    trainer = {"steps": 6, "checkpoint_every": 2, "keep_checkpoints": 2, "kl_coef": 0.05}
+    trainer = {"steps": 6, "checkpoint": {"every": 2, "keep": 2}, "kl": {"coef": 0.05}}
     if sharded:
         trainer["checkpoint_dir"] = str(tmp_path / "checkpoints")
     config = parse_config(

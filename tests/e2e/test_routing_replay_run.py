@@ -24,7 +24,7 @@ async def test_r3_run_replays_the_rollouts_routing_through_a_rollout_crash(nats_
             model={"source": "tiny-moe"},
             staleness={"max_staleness": staleness},
             roles={"rollout": 2},
-            trainer={"steps": 8, "routing_replay": "r3", "kl_coef": 0.01},
+            trainer={"steps": 8, "moe": {"routing_replay": "r3"}, "kl": {"coef": 0.01}},
         )
     )
     assert config.reference  # the reference role is in the chain and replays the routing too

@@ -20,7 +20,7 @@ async def test_a_run_with_shm_weights_trains_every_group_once_and_prunes_its_seg
         small_config(
             f"e2e{uuid.uuid4().hex[:8]}",
             weights={"type": "shm"},
-            trainer={"steps": 24, "kl_coef": 0.1},  # a tiny step takes ~0.05 s: the joiner must still be needed
+            trainer={"steps": 24, "kl": {"coef": 0.1}},  # a tiny step takes ~0.05 s: the joiner must still be needed
             bus={"weights_keep": 2},
         )
     )

@@ -27,8 +27,8 @@ def learning_config(engine: str) -> dict:
         rollout={"engine": engine, "max_new_tokens": 4, "batch_groups": 16},
         trainer={
             "steps": 60,
-            "lr": 5e-4,
-            "checkpoint_every": 30,
+            "optim": {"lr": 5e-4},
+            "checkpoint": {"every": 30},
             "warmup": {
                 "max_steps": 600,
                 "target_accuracy": 0.95,

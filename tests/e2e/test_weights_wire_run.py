@@ -20,7 +20,7 @@ async def test_a_run_on_bfloat16_deltas_trains_every_group_once(nats_server, tmp
         small_config(
             f"wire{uuid.uuid4().hex[:8]}",
             weights={"type": "object_store", "delta": True, "wire_dtype": "bfloat16"},
-            trainer={"kl_coef": 0.01},  # the reference reads v0, which stays whole and exact
+            trainer={"kl": {"coef": 0.01}},  # the reference reads v0, which stays whole and exact
         )
     )
     cluster = await run(nats_server, tmp_path, config)

@@ -31,7 +31,7 @@ class _Planted:
 
 def _trainer(tmp_path) -> PolicyTrainer:
     model_dir = materialize("tiny:64x2", tmp_path / "m", seed=2)
-    config = parse_config({"run": "ck", "trainer": {"lr_schedule": "cosine", "steps": 4}})
+    config = parse_config({"run": "ck", "trainer": {"schedule": {"kind": "cosine"}, "steps": 4}})
     return PolicyTrainer(model_dir, config)
 
 

@@ -211,7 +211,7 @@ def test_an_id_names_its_content_and_a_fresh_id_nobody_can_predict():
 
 
 def test_each_role_may_read_back_exactly_the_streams_it_publishes_to():
-    t = build_topology(run_config(run="r1", trainer={"kl_coef": 0.1}))
+    t = build_topology(run_config(run="r1", trainer={"kl": {"coef": 0.1}}))
     get = "$JS.API.STREAM.MSG.GET."
     kv_and_stores = {"KV_relax_r1_state", "KV_relax_r1_workers", "OBJ_relax_r1_media"}
     weights = {"OBJ_relax_r1_weights"}
@@ -238,7 +238,7 @@ def test_each_role_may_read_back_exactly_the_streams_it_publishes_to():
 
 @pytest.fixture
 async def secured(tmp_path: Path) -> AsyncIterator[Secured]:
-    async with secured_server(run_config(trainer={"kl_coef": 0.1}), tmp_path) as s:
+    async with secured_server(run_config(trainer={"kl": {"coef": 0.1}}), tmp_path) as s:
         yield s
 
 

@@ -53,7 +53,7 @@ async def test_each_sample_is_scored_against_the_answer_and_goes_to_train_withou
 
 
 async def test_with_a_reference_role_the_scored_group_goes_to_scored() -> None:
-    bus = stub_bus(trainer={"kl_coef": 0.1})
+    bus = stub_bus(trainer={"kl": {"coef": 0.1}})
     handled = await bus.deliver(reward_worker(bus), answered(bus, 0, ("1", "7")))
     assert handled.outcome == "ack", handled
     (out,) = handled.on("scored")

@@ -95,7 +95,7 @@ def test_wrong_types_and_out_of_range_values_are_named():
                 "samples_per_group": 1.5,
                 "staleness": {"max_staleness": -1, "max_requeues": "twice"},
                 "rollout": {"engine": "tensorrt", "temperature": 0, "top_p": 1.5, "batch_groups": []},
-                "trainer": {"steps": "many", "kl_coef": -0.1},
+                "trainer": {"steps": "many", "kl": {"coef": -0.1}},
                 "roles": {"rollout": -1},
             }
         )
@@ -111,15 +111,15 @@ def test_wrong_types_and_out_of_range_values_are_named():
         "rollout.top_p: Input should be less than or equal to 1",
         "rollout.batch_groups: Input should be a valid integer",
         "trainer.steps: Input should be a valid integer",
-        "trainer.kl_coef: Input should be greater than or equal to 0",
+        "trainer.kl.coef: Input should be greater than or equal to 0",
         "roles.rollout: Input should be greater than or equal to 0",
     ):
         assert what in problems
 
 
 def test_more_contradictions_are_explained():
-    with pytest.raises(ConfigError, match=r"tis_low \(2\.0\) must be below tis_high \(2\.0\)"):
-        parse_config({"run": "r1", "trainer": {"tis_low": 2.0}})
+    with pytest.raises(ConfigError, match=r"low \(2\.0\) must be below high \(2\.0\)"):
+        parse_config({"run": "r1", "trainer": {"correction": {"type": "tis", "low": 2.0}}})
     with pytest.raises(ConfigError, match=r"hop_max_msgs \(1\) is smaller than groups_per_step \(2\)"):
         parse_config({"run": "r1", "groups_per_step": 2, "bus": {"hop_max_msgs": 1}})
     with pytest.raises(ConfigError, match=r"max_ack_pending \(2\) is smaller than groups_per_step \(4\)"):
@@ -127,11 +127,11 @@ def test_more_contradictions_are_explained():
 
 
 def test_reference_workers_without_kl_coef_are_not_in_the_chain():
-    """roles.reference only counts when trainer.kl_coef > 0; `relax worker reference` is refused otherwise."""
+    """roles.reference only counts when trainer.kl.coef > 0; `relax worker reference` is refused otherwise."""
     off = build_topology(parse_config({"run": "r1", "roles": {"reference": 3}}))
     assert [r.name for r in off.roles] == ["feeder", "rollout", "reward", "actor", "metrics"]
     assert off.role("reward").output == "train"
-    on = build_topology(parse_config({"run": "r1", "trainer": {"kl_coef": 0.1}, "roles": {"reference": 0}}))
+    on = build_topology(parse_config({"run": "r1", "trainer": {"kl": {"coef": 0.1}}, "roles": {"reference": 0}}))
     assert on.role("reward").output == "scored" and on.role("reference").output == "train"
 
 

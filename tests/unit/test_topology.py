@@ -17,7 +17,7 @@ def test_subjects_streams_and_roles():
 
 
 def test_reference_joins_the_chain_when_enabled():
-    t = build_topology(parse_config({"run": "r1", "trainer": {"kl_coef": 0.01}}))
+    t = build_topology(parse_config({"run": "r1", "trainer": {"kl": {"coef": 0.01}}}))
     assert t.role("reward").output == "scored"
     assert t.role("reference").input == "scored" and t.role("reference").output == "train"
     assert [c.durable for c in t.consumers] == ["rollout", "reward", "reference", "actor", "metrics"]

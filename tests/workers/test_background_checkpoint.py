@@ -116,7 +116,9 @@ async def test_the_run_waits_for_the_checkpoint_in_flight(make_bus, tmp_path, on
 
 async def test_a_sharded_checkpoint_is_recorded_once_every_shard_is_written(make_bus, tmp_path, one_torch_thread):
     root = tmp_path / "checkpoints"
-    config = parse_config(small_config("ckptdir", model={"source": "tiny:64x2"}, trainer={"checkpoint_dir": str(root)}))
+    config = parse_config(
+        small_config("ckptdir", model={"source": "tiny:64x2"}, trainer={"checkpoint": {"dir": str(root)}})
+    )
     bus = await make_bus(config)
     model_dir = materialize("tiny:64x2", tmp_path / "m", seed=0)
     actor = Actor(bus, PolicyTrainer(model_dir, config), ObjectStoreTransport(bus))

@@ -28,7 +28,10 @@ def config() -> PipelineConfig:
             # 16 padded tokens per micro-batch: rank 0 runs 2 micro-batches, rank 1 runs 3 (rank 0 adds an empty one)
             # The plain pass in one process too (FSDP2 always takes it): Adam's first step follows each gradient's
             # sign, so a near-zero gradient rounded differently by the shared-prompt pass could flip a weight.
-            "trainer": {"lr": 1e-2, "grad_clip": 1e9, "micro_batch_tokens": 16, "shared_prompt": False},
+            "trainer": {
+                "optim": {"lr": 1e-2, "grad_clip": 1e9},
+                "compute": {"micro_batch_tokens": 16, "shared_prompt": False},
+            },
         }
     )
 

@@ -54,7 +54,8 @@ def _varied(group: TrainGroup, i: int) -> TrainGroup:
 
 
 def trainer(model_dir, **trainer_options) -> PolicyTrainer:
-    options = {"lr": 1e-2, "grad_clip": 1e9, "kl_coef": 0.0, **trainer_options}
+    optim = {"lr": 1e-2, "grad_clip": 1e9, **trainer_options.pop("optim", {})}
+    options = {"optim": optim, "kl": {"coef": 0.0}, **trainer_options}
     config = parse_config(
         {
             "run": "mb",
@@ -78,8 +79,8 @@ def gradients(model_dir, groups, **options) -> tuple[dict[str, torch.Tensor], di
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
 def test_accumulated_micro_batches_give_the_one_pass_gradient(setup, aggregation):
     model_dir, groups = setup
-    whole, m_whole = gradients(model_dir, groups, micro_batch_tokens=None, aggregation=aggregation)
-    split, m_split = gradients(model_dir, groups, micro_batch_tokens=12, aggregation=aggregation)
+    whole, m_whole = gradients(model_dir, groups, compute={"micro_batch_tokens": None}, aggregation=aggregation)
+    split, m_split = gradients(model_dir, groups, compute={"micro_batch_tokens": 12}, aggregation=aggregation)
     assert whole.keys() == split.keys() and whole
     worst = max(float((whole[n] - split[n]).abs().max()) for n in whole)
     assert worst < 1e-6, f"largest gradient difference {worst:.2e}"
@@ -92,7 +93,7 @@ def test_one_update_never_clips_and_several_updates_do(setup):
     model_dir, groups = setup
     once = trainer(model_dir).step(groups)
     assert once["updates"] == 1 and once["ppo_clip_frac"] == 0.0 and once["ratio_mean"] == pytest.approx(1.0)
-    many = trainer(model_dir, mini_batches=2, ppo_epochs=3, lr=3e-2).step(groups)
+    many = trainer(model_dir, mini_batches=2, ppo_epochs=3, optim={"lr": 3e-2}).step(groups)
     assert many["updates"] == 6
     assert many["ppo_clip_frac"] > 0, many
     assert many["ratio_mean"] != pytest.approx(1.0, abs=1e-4)
@@ -101,9 +102,9 @@ def test_one_update_never_clips_and_several_updates_do(setup):
 def test_first_of_several_updates_matches_the_single_update(setup):
     """The old-policy log-probs computed before the first update equal that update's own forward."""
     model_dir, groups = setup
-    one = trainer(model_dir, micro_batch_tokens=None)
+    one = trainer(model_dir, compute={"micro_batch_tokens": None})
     one.step(groups)
-    first = trainer(model_dir, micro_batch_tokens=None, ppo_epochs=2)
+    first = trainer(model_dir, compute={"micro_batch_tokens": None}, ppo_epochs=2)
     first.optimizer.step = _only_first(first.optimizer.step)  # type: ignore[method-assign]
     first.step(groups)
     for (name, a), b in zip(one.model.named_parameters(), first.model.parameters(), strict=True):
@@ -158,17 +159,17 @@ def test_lr_schedules():
 
 def test_schedule_runs_per_update_and_survives_a_checkpoint(setup):
     model_dir, groups = setup
-    t = trainer(model_dir, lr_schedule="linear", steps=4, mini_batches=2)
+    t = trainer(model_dir, schedule={"kind": "linear"}, steps=4, mini_batches=2)
     first = t.step(groups)
     assert first["lr"] == pytest.approx(1e-2 * (1 - 2 / 8))
-    restored = trainer(model_dir, lr_schedule="linear", steps=4, mini_batches=2)
+    restored = trainer(model_dir, schedule={"kind": "linear"}, steps=4, mini_batches=2)
     restored.checkpoints.restore(t.checkpoints.to_bytes({"step": 1}))
     assert restored.step(groups)["lr"] == pytest.approx(t.step(groups)["lr"]) == pytest.approx(1e-2 * 0.5)
 
 
 def test_weight_decay_skips_norms_and_biases(setup):
     model_dir, _ = setup
-    t = trainer(model_dir, weight_decay=0.1)
+    t = trainer(model_dir, optim={"weight_decay": 0.1})
     decayed, plain = param_groups(t.model, 0.1)
     names = {id(p): n for n, p in t.model.named_parameters()}
     assert all("norm" in names[id(p)] for p in plain["params"]) and plain["weight_decay"] == 0.0  # type: ignore[union-attr]
@@ -186,7 +187,7 @@ def test_a_config_whose_batches_do_not_fit_is_refused():
                 "groups_per_step": 1,
                 "samples_per_group": 2,
                 "rollout": {"max_new_tokens": 32},
-                "trainer": {"mini_batches": 3, "micro_batch_tokens": 16},
+                "trainer": {"mini_batches": 3, "compute": {"micro_batch_tokens": 16}},
             }
         )
     text = str(err.value)

@@ -35,7 +35,7 @@ CONFIG = {
     "groups_per_step": 4,
     "samples_per_group": 4,
     "rollout": {"max_new_tokens": 3, "temperature": 1.0},
-    "trainer": {"lr": 1e-3, "warmup": {"max_steps": 0}},
+    "trainer": {"optim": {"lr": 1e-3}, "warmup": {"max_steps": 0}},
 }
 
 

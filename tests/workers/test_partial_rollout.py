@@ -174,7 +174,7 @@ def test_a_group_is_labelled_by_its_oldest_token_and_only_other_versions_are_spe
 
 def test_r3_with_partial_rollouts_is_refused():
     with pytest.raises(ConfigError, match="routing spans are not recorded"):
-        parse_config({"run": "t", "rollout": {"partial": "continue"}, "trainer": {"routing_replay": "r3"}})
+        parse_config({"run": "t", "rollout": {"partial": "continue"}, "trainer": {"moe": {"routing_replay": "r3"}}})
 
 
 async def test_tokens_older_than_the_bound_are_masked_out_of_the_loss(model_dir, one_torch_thread):

@@ -48,7 +48,7 @@ def test_every_role_module_has_serve_and_the_chain_follows_the_config():
     for entry in ROLES:
         assert callable(entry.serve()), entry.name
     plain = config.parse_config({"run": "r"})
-    with_kl = config.parse_config({"run": "r", "trainer": {"kl_coef": 0.1}})
+    with_kl = config.parse_config({"run": "r", "trainer": {"kl": {"coef": 0.1}}})
     assert [r.name for r in chain_of(plain)] == ["feeder", "rollout", "reward", "actor", "metrics"]
     no_metrics = config.parse_config({"run": "r", "metrics": {"enabled": False}})
     assert [r.name for r in chain_of(no_metrics)] == ["feeder", "rollout", "reward", "actor"]

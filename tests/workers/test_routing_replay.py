@@ -52,7 +52,11 @@ def trainer_for(moe_dir, replay: str, **trainer) -> PolicyTrainer:
             "model": {"source": "tiny-moe"},
             "groups_per_step": 3,
             "samples_per_group": 4,
-            "trainer": {"routing_replay": replay, "lr": 1e-3, "routing_metrics_fraction": 1.0, **trainer},
+            "trainer": {
+                "optim": {"lr": 1e-3},
+                **trainer,
+                "moe": {"routing_replay": replay, "metrics_fraction": 1.0, **trainer.get("moe", {})},
+            },
         }
     )
     return PolicyTrainer(moe_dir, config)
@@ -78,7 +82,7 @@ def test_the_engine_records_the_routing_a_teacher_forced_forward_takes(moe_dir, 
 def test_equal_weights_replayed_logprobs_equal_the_rollouts(moe_dir, one_torch_thread, shared):
     engine = TorchEngine(moe_dir, record_routing=True)
     groups = groups_from(engine)
-    trainer = trainer_for(moe_dir, "r3", shared_prompt=shared)
+    trainer = trainer_for(moe_dir, "r3", compute={"shared_prompt": shared})
     metrics = trainer.step(groups)
     assert metrics["routing_agreement"] == 1.0
     assert metrics["routing_mismatch_replay_max"] < 1e-5
@@ -100,7 +104,7 @@ def test_a_perturbed_router_is_corrected_by_replay(moe_dir, one_torch_thread):
 def test_replay_keeps_the_routers_gradient(moe_dir, one_torch_thread):
     engine = TorchEngine(moe_dir, record_routing=True)
     batch = make_batch(groups_from(engine))
-    trainer = trainer_for(moe_dir, "r3", shared_prompt=False)
+    trainer = trainer_for(moe_dir, "r3", compute={"shared_prompt": False})
     plans = trainer.routing._plans(batch, list(range(batch.ids.shape[0])), shared=False)
     with replaying(trainer.model, plans):
         logp = token_logprobs(trainer.model, batch.ids, batch.attention)
@@ -113,7 +117,7 @@ def test_r2_replays_the_old_policys_routing_across_updates(moe_dir, one_torch_th
     engine = TorchEngine(moe_dir)
     groups = groups_from(engine)
     assert all(s.routed_experts is None for g in groups for s in g.scored.rollout.samples)
-    trainer = trainer_for(moe_dir, "r2", mini_batches=3, lr=5e-2)
+    trainer = trainer_for(moe_dir, "r2", mini_batches=3, optim={"lr": 5e-2})
     seen: list[int] = []
     real_forward = trainer.routing.forward
 
@@ -189,12 +193,14 @@ def test_refusals(moe_dir, model_dir):
     with pytest.raises(ValueError, match="vllm engine cannot record routed experts"):
         make_engine("vllm", moe_dir, record_routing=True)
     with pytest.raises(ConfigError, match="only the torch engine"):
-        parse_config({"run": "t", "rollout": {"engine": "vllm"}, "trainer": {"routing_replay": "r3"}})
+        parse_config({"run": "t", "rollout": {"engine": "vllm"}, "trainer": {"moe": {"routing_replay": "r3"}}})
     with pytest.raises(ConfigError, match="activation_checkpointing"):
-        parse_config({"run": "t", "trainer": {"routing_replay": "r3", "activation_checkpointing": True}})
+        parse_config(
+            {"run": "t", "trainer": {"moe": {"routing_replay": "r3"}, "compute": {"activation_checkpointing": True}}}
+        )
     with pytest.raises(ConfigError, match="one trainer process"):
-        parse_config({"run": "t", "trainer": {"routing_replay": "r2", "nproc": 2}})
-    dense = parse_config({"run": "t", "trainer": {"routing_replay": "r3"}})
+        parse_config({"run": "t", "trainer": {"moe": {"routing_replay": "r2"}, "distributed": {"nproc": 2}}})
+    dense = parse_config({"run": "t", "trainer": {"moe": {"routing_replay": "r3"}}})
     with pytest.raises(ValueError, match="needs an MoE model"):
         PolicyTrainer(model_dir, dense)
 
@@ -222,7 +228,7 @@ async def test_routing_travels_by_claim_check_on_the_train_stream(make_bus, moe_
 
 def test_a_zero_metrics_fraction_skips_the_free_forward(moe_dir, one_torch_thread):
     groups = groups_from(TorchEngine(moe_dir, record_routing=True))
-    metrics = trainer_for(moe_dir, "r3", routing_metrics_fraction=0).step(groups)
+    metrics = trainer_for(moe_dir, "r3", moe={"metrics_fraction": 0}).step(groups)
     assert metrics["routing_agreement"] == 1.0 and metrics["routing_mismatch_replay_max"] < 1e-5
     assert "routing_mismatch_free" not in metrics
 

@@ -23,7 +23,7 @@ from workers.training.trainer import PolicyTrainer
 
 pytestmark = [pytest.mark.workers, pytest.mark.timeout(300)]
 
-CONFIG = {"run": "shards", "trainer": {"lr_schedule": "cosine", "steps": 4}}
+CONFIG = {"run": "shards", "trainer": {"schedule": {"kind": "cosine"}, "steps": 4}}
 EXTRA = {"step": 3, "trained": [[0, 7]], "floor": 11}
 
 

@@ -75,8 +75,8 @@ def test_bad_input_is_refused(model_dir):
 @pytest.mark.parametrize("budget", [None, 12])
 def test_trainer_gradient_is_the_plain_one(setup, budget):  # noqa: F811 - the imported fixture
     model_dir, groups = setup
-    plain, m_plain = gradients(model_dir, groups, micro_batch_tokens=budget, shared_prompt=False)
-    shared, m_shared = gradients(model_dir, groups, micro_batch_tokens=budget, shared_prompt=True)
+    plain, m_plain = gradients(model_dir, groups, compute={"micro_batch_tokens": budget, "shared_prompt": False})
+    shared, m_shared = gradients(model_dir, groups, compute={"micro_batch_tokens": budget, "shared_prompt": True})
     assert plain.keys() == shared.keys() and plain
     worst = max(float((plain[n] - shared[n]).abs().max()) for n in plain)
     assert worst < 1e-6, f"largest gradient difference {worst:.2e}"

@@ -81,7 +81,7 @@ def test_the_actor_reads_ahead_unless_its_update_computes_on_the_cpu() -> None:
     def trainer(**options: object) -> object:
         return parse_config({"run": "ahead", "trainer": options}).trainer
 
-    assert not reads_ahead(trainer(device="cpu"))  # decoding beside training would take its cores
-    assert reads_ahead(trainer(device="cpu", simulate={"step_s": 0.02}))  # a simulated update sleeps
-    assert reads_ahead(trainer(device="cpu", read_ahead="on"))
-    assert not reads_ahead(trainer(device="cpu", read_ahead="off", simulate={"step_s": 0.02}))
+    assert not reads_ahead(trainer(compute={"device": "cpu"}))  # decoding beside training would take its cores
+    assert reads_ahead(trainer(compute={"device": "cpu"}, simulate={"step_s": 0.02}))  # a simulated update sleeps
+    assert reads_ahead(trainer(compute={"device": "cpu", "read_ahead": "on"}))
+    assert not reads_ahead(trainer(compute={"device": "cpu", "read_ahead": "off"}, simulate={"step_s": 0.02}))

@@ -65,7 +65,7 @@ def test_a_step_moves_the_policy_toward_rewarded_samples(tmp_path):
             "groups_per_step": 2,
             "samples_per_group": 4,
             "rollout": {"temperature": 0.8},
-            "trainer": {"lr": 5e-3, "grad_clip": 100.0},
+            "trainer": {"optim": {"lr": 5e-3, "grad_clip": 100.0}},
         }
     )
     trainer = PolicyTrainer(model_dir, config)

@@ -46,7 +46,7 @@ def make_trainer(model_dir, **options) -> PolicyTrainer:
             "groups_per_step": 2,
             "samples_per_group": 4,
             "rollout": {"temperature": 0.8, "max_new_tokens": 5},
-            "trainer": {"lr": 1e-2, "mini_batches": 2, **options},
+            "trainer": {"optim": {"lr": 1e-2}, "mini_batches": 2, **options},
         }
     )
     return PolicyTrainer(model_dir, config)
@@ -107,18 +107,19 @@ def trainer_config(**options):
     return parse_config({"run": "r", "trainer": options}).trainer
 
 
-def test_defaults_are_ppo_with_icepop_and_the_top_level_tis_bounds_select_tis():
+def test_defaults_are_ppo_with_icepop_and_the_tis_bounds_are_the_corrections():
     cfg = trainer_config()
     assert (cfg.loss.type, cfg.correction.type) == ("ppo", "icepop")
     assert cfg.correction_options() == {"low": 0.5, "high": 5.0}
     assert trainer_config(correction="tis").correction_options() == {"low": 0.0, "high": 2.0}
-    with_bounds = trainer_config(tis_low=0.1, tis_high=3.0)  # the tis correction's bounds, no correction named
+    with_bounds = trainer_config(correction={"type": "tis", "low": 0.1, "high": 3.0})
     assert with_bounds.correction.type == "tis"
     assert with_bounds.correction_options() == {"low": 0.1, "high": 3.0}
-    assert trainer_config(tis_high=3.0).correction_options() == {"low": 0.0, "high": 3.0}
     assert trainer_config(correction={"type": "tis", "high": 4.0}).correction_options() == {"low": 0.0, "high": 4.0}
     assert trainer_config(correction="icepop").correction_options() == {"low": 0.5, "high": 5.0}
     assert trainer_config(loss={"type": "dual_clip", "c": 2.5}).loss.options() == {"c": 2.5}
+    clipped = trainer_config(loss={"type": "gspo", "clip_low": 3e-4, "clip_high": 4e-4}).loss
+    assert (clipped.clip_low, clipped.clip_high, clipped.options()) == (3e-4, 4e-4, {})
 
 
 @pytest.mark.parametrize(
@@ -126,7 +127,7 @@ def test_defaults_are_ppo_with_icepop_and_the_top_level_tis_bounds_select_tis():
     [
         {"correction": {"type": "tis", "high": 4.0}},
         {"correction": {"type": "seq_is", "low": 0.2, "high": 1.5}, "loss": "gspo"},
-        {"tis_low": 0.3, "tis_high": 1.5},
+        {"correction": {"type": "tis", "low": 0.3, "high": 1.5}},
         {"advantage": {"type": "reinforce_pp", "whiten": True}, "overlong": {"max_tokens": 8, "window": 2}},
     ],
 )
@@ -140,10 +141,8 @@ def test_a_dumped_config_validates_again_unchanged(options):
 @pytest.mark.parametrize(
     ("options", "problem"),
     [
-        ({"tis_high": 3.0, "correction": "icepop"}, "tis_high: the bounds of the `tis` correction, but correction is"),
-        ({"tis_low": 0.5, "correction": "none"}, "which has no bounds"),
-        ({"tis_low": 0.5, "correction": {"type": "tis", "low": 0.2}}, r"tis_low \(0.5\) and correction.low \(0.2\)"),
-        ({"correction": {"type": "tis", "low": 3.0}}, r"tis correction's low \(3.0\) must be below its high \(2.0\)"),
+        ({"correction": {"type": "tis", "low": 3.0}}, r"low \(3.0\) must be below high \(2.0\)"),
+        ({"loss": {"type": "ppo", "clip_low": 1.0}}, "trainer.loss.ppo.clip_low: Input should be less than 1"),
         ({"correction": {"type": "icepop", "low": 5.0, "high": 1.0}}, r"low \(5.0\) must be below high \(1.0\)"),
         ({"loss": {"type": "dual_clip", "c": 1.0}}, "trainer.loss.dual_clip.c: Input should be greater than 1"),
         ({"loss": {"type": "gspo", "c": 3.0}}, "trainer.loss.gspo.c: unknown setting"),

@@ -16,15 +16,24 @@ union, and its implementation in the registry. Each field's docstring is its doc
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, RootModel, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from relax_bus.chain import LIMITS_STREAMS
 from relax_bus.overrides import load_with_overrides
 from relax_bus.settings import RunConfig, parse_run_config
 from workers.config.base import Section
 from workers.config.metrics import MetricsConfig, WandbConfig
+from workers.config.model_source import (
+    DirSource,
+    HfSource,
+    ModelSource,
+    TinyMoeSource,
+    TinyOmniSource,
+    TinySource,
+)
 from workers.config.rewards import (
     AnyReward,
     ExactReward,
@@ -64,7 +73,7 @@ from workers.config.trainer import (
     WarmupConfig,
 )
 from workers.config.weights import BroadcastWeights, FilesystemWeights, ObjectStoreWeights, ShmWeights, WeightsConfig
-from workers.role_registry import ROLES, chain_of
+from workers.role_registry import ROLE_NAMES, ROLES, SCALABLE_ROLES, chain_of
 
 __all__ = [
     "AdditionOptions",
@@ -73,6 +82,7 @@ __all__ = [
     "AnyReward",
     "BroadcastWeights",
     "CorrectionConfig",
+    "DirSource",
     "DrGrpoAdvantage",
     "EngineConfig",
     "ExactReward",
@@ -81,6 +91,7 @@ __all__ = [
     "FormatReward",
     "GrpoAdvantage",
     "HfOptions",
+    "HfSource",
     "HfTask",
     "JsonlOptions",
     "JsonlTask",
@@ -89,6 +100,7 @@ __all__ = [
     "MathReward",
     "MetricsConfig",
     "ModelConfig",
+    "ModelSource",
     "NumericOptions",
     "NumericReward",
     "ObjectStoreWeights",
@@ -105,6 +117,9 @@ __all__ = [
     "SimEngineConfig",
     "SimTrainerConfig",
     "TaskConfig",
+    "TinyMoeSource",
+    "TinyOmniSource",
+    "TinySource",
     "TorchEngineConfig",
     "TrainerConfig",
     "VllmEngineConfig",
@@ -121,11 +136,12 @@ __all__ = [
 class ModelConfig(Section):
     """Where the policy comes from."""
 
-    source: str = "tiny"
-    """`tiny` (a small Llama built in code; `tiny:<hidden>x<layers>`), `tiny-moe` (a small Qwen3-MoE built in code,
-    8 experts, top-2; docs/r3.md), `tiny-omni` (a Qwen2.5-Omni thinker
-    built in code with its processor: text, image, audio and video; docs/omni.md), a local Hugging Face
-    directory, or `hf:<repo>` on machines with hub access."""
+    source: ModelSource = Field(default_factory=TinySource)
+    """`{type: tiny, hidden: 128, layers: 2}` (a small Llama built in code), `{type: tiny-moe}` (a small Qwen3-MoE,
+    8 experts, top-2; docs/r3.md), `{type: tiny-omni}` (a Qwen2.5-Omni thinker with its processor: text, image,
+    audio and video; docs/omni.md), `{type: dir, path: ...}` (a local Hugging Face directory) or `{type: hf, id:
+    ..., revision: ...}` (machines with hub access). Strings are shorthand: `tiny`, `tiny:<hidden>x<layers>`,
+    `tiny-moe`, `tiny-omni`, `hf:<repo>[@<revision>]`, anything else a directory."""
     seed: int = 0
     """Seed of the initial weights of a built-in model."""
     prompt_format: Literal["auto", "chat", "raw"] = "auto"
@@ -136,27 +152,63 @@ class ModelConfig(Section):
     """A system message before every prompt (chat), or text before it (raw); null: none, or the template's own."""
 
 
-class RolesConfig(Section):
-    """How many processes of each role `relax run` starts (others can join with `relax worker`)."""
+class RolesConfig(RootModel[dict[str, int]]):
+    """How many processes of each scalable role `relax run` starts, `{rollout: 2, reward: 1, ...}` (others can join
+    with `relax worker`). The keys are the role registry's scalable roles (`workers.role_registry.SCALABLE_ROLES`);
+    a role left out gets 1."""
 
-    rollout: int = Field(default=1, ge=0)
-    """Rollout (generation) processes."""
-    reward: int = Field(default=1, ge=0)
-    """Reward (scoring) processes."""
-    reference: int = Field(default=1, ge=0)
-    """Reference processes; ignored while `trainer.kl_coef` is 0 (the run then has no reference role)."""
+    model_config = ConfigDict(frozen=True)
+
+    root: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_roles(cls, data: Any) -> Any:
+        # One line per bad key, listed with the others (a single ValueError would join them into one).
+        data = {} if data is None else data
+        if not isinstance(data, dict):
+            return data
+        errors = []
+        for name, count in data.items():
+            problem = None
+            if name not in ROLE_NAMES:
+                problem = f"unknown role {name!r} (roles with a process count: {', '.join(SCALABLE_ROLES)})"
+            elif name not in SCALABLE_ROLES:
+                problem = f"the {name} role runs as one process: only {', '.join(SCALABLE_ROLES)} take a process count"
+            if problem:
+                error = PydanticCustomError("role_count", "{problem}", {"problem": problem})
+                errors.append(InitErrorDetails(type=error, loc=(name,), input=count))
+        if errors:
+            raise ValidationError.from_exception_data(cls.__name__, errors)
+        return data
+
+    @model_validator(mode="after")
+    def _every_role_counted(self) -> RolesConfig:
+        # A role left out runs one process; filled in so that a dumped config names every count.
+        object.__setattr__(self, "root", {name: self.root.get(name, 1) for name in SCALABLE_ROLES})
+        return self
+
+    def count(self, role: str) -> int:
+        """Processes of `role` that `relax run` starts."""
+        return self.root[role]
+
+    @classmethod
+    def rows(cls) -> list[tuple[str, int, str]]:
+        """(key, default, meaning) of each key, for the configuration reference."""
+        return [(r.name, 1, r.scalable) for r in ROLES if r.scalable]
 
 
 class PipelineConfig(RunConfig):
     """A whole RL run: the bus's settings plus the pipeline's sections."""
 
-    tunable: ClassVar[frozenset[str]] = RunConfig.tunable | {
-        "roles.rollout",
-        "roles.reward",
-        "roles.reference",
-        "trainer.checkpoint_every",
-        "trainer.keep_checkpoints",
-    }
+    tunable: ClassVar[frozenset[str]] = (
+        RunConfig.tunable
+        | {f"roles.{name}" for name in SCALABLE_ROLES}
+        | {
+            "trainer.checkpoint.every",
+            "trainer.checkpoint.keep",
+        }
+    )
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     """Where the policy comes from."""
@@ -181,7 +233,7 @@ class PipelineConfig(RunConfig):
     @property
     def reference(self) -> bool:
         """Whether the reference role is in the chain (reward -> scored -> reference -> train)."""
-        return self.trainer.kl_coef > 0
+        return self.trainer.kl.coef > 0
 
     @field_validator("rewards")
     @classmethod
@@ -200,20 +252,20 @@ class PipelineConfig(RunConfig):
                 f"trainer.mini_batches ({self.trainer.mini_batches}) exceeds the {sequences} sequences of a step "
                 f"(groups_per_step x samples_per_group): some updates would have no data"
             )
-        budget = self.trainer.micro_batch_tokens
+        budget = self.trainer.compute.micro_batch_tokens
         if budget is not None and budget < self.rollout.max_new_tokens + 1:
             problems.append(
-                f"trainer.micro_batch_tokens ({budget}) cannot hold one sequence of rollout.max_new_tokens "
+                f"trainer.compute.micro_batch_tokens ({budget}) cannot hold one sequence of rollout.max_new_tokens "
                 f"({self.rollout.max_new_tokens}) plus its prompt"
             )
-        if self.trainer.routing_replay == "r3" and self.rollout.engine.type != "torch":
+        if self.trainer.moe.routing_replay == "r3" and self.rollout.engine.type != "torch":
             problems.append(
-                f"trainer.routing_replay r3 needs the rollout engine to record routed experts: only the torch engine "
-                f"does (rollout.engine is {self.rollout.engine.type}; docs/r3.md)"
+                f"trainer.moe.routing_replay r3 needs the rollout engine to record routed experts: only the torch "
+                f"engine does (rollout.engine is {self.rollout.engine.type}; docs/r3.md)"
             )
-        if self.trainer.routing_replay == "r3" and self.rollout.partial != "off":
+        if self.trainer.moe.routing_replay == "r3" and self.rollout.partial != "off":
             problems.append(
-                f"trainer.routing_replay r3 with rollout.partial {self.rollout.partial}: a continued response's "
+                f"trainer.moe.routing_replay r3 with rollout.partial {self.rollout.partial}: a continued response's "
                 "prefix was routed under older weights than the rest, and routing spans are not recorded; turn one off"
             )
         if problems:
@@ -244,7 +296,7 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> PipelineConf
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> PipelineConfig:
     """Read and validate a YAML or JSON pipeline run config; ConfigError listing every problem.
 
-    `overrides` maps dotted keys to values (`{"trainer.lr": 1e-4, "run": "exp2"}`, as
+    `overrides` maps dotted keys to values (`{"trainer.optim.lr": 1e-4, "run": "exp2"}`, as
     `relax_bus.overrides.parse_overrides` makes them from `section.key=value` arguments); they are set in
     the file's mapping before validation, so their problems are listed with the file's."""
     return load_with_overrides(path, overrides, PipelineConfig)

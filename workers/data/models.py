@@ -1,23 +1,23 @@
-"""Model sources: turn a config's `source` string into a Hugging Face model directory, and load it.
+"""Model sources: turn a config's `model.source` (`workers.config.model_source`) into a Hugging Face model
+directory, and load it.
 
-Known sources:
-- `"tiny"` or `"tiny:<hidden>x<layers>"`: a LlamaForCausalLM built in code (4 heads, MLP 4x hidden,
+Known sources (each with its shorthand string):
+- `tiny` (`"tiny"` or `"tiny:<hidden>x<layers>"`): a LlamaForCausalLM built in code (4 heads, MLP 4x hidden,
   tied embeddings, fp32, 256 positions) with the byte tokenizer, deterministic from `seed`, saved
   as safetensors. Built once: a target directory that already holds the same build is reused.
-- `"tiny-moe"`: a tiny Qwen3-MoE (8 experts, top-2) over the byte tokenizer, built in code (`workers.moe.tiny`),
+- `tiny-moe`: a tiny Qwen3-MoE (8 experts, top-2) over the byte tokenizer, built in code (`workers.moe.tiny`),
   for routing replay (R3, docs/r3.md).
-- `"tiny-omni"`: a tiny Qwen2.5-Omni thinker (text, image, video, audio) with its processor, built in code
+- `tiny-omni`: a tiny Qwen2.5-Omni thinker (text, image, video, audio) with its processor, built in code
   (`workers.omni.tiny`); load it with `workers.omni.loading.load_omni`.
-- an existing local directory holding `config.json`: used as is.
-- `"hf:<repo id>"`: nothing is downloaded here; the directory records the repo id and
-  `load_model` / `load_tokenizer` call `from_pretrained(repo id)` later.
+- `dir`: an existing local directory holding `config.json`, used as is.
+- `hf` (`"hf:<repo id>[@<revision>]"`): nothing is downloaded here; the directory records the repo id and
+  revision, and `load_model` / `load_tokenizer` call `from_pretrained(repo id, revision=...)` later.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from typing import Any
 import huggingface_hub
 import huggingface_hub.constants
 import torch
+from pydantic import BaseModel, TypeAdapter
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -35,6 +36,16 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from workers.config.model_source import (
+    TINY_HEADS,
+    AnySource,
+    DirSource,
+    HfSource,
+    ModelSource,
+    TinyMoeSource,
+    TinyOmniSource,
+    TinySource,
+)
 from workers.data.model_build import SOURCE_FILE, TINY_POSITIONS, build_in_code
 from workers.data.tokenizer import SPECIAL_IDS, build_byte_tokenizer
 
@@ -42,8 +53,6 @@ KNOWN_SOURCES = (
     "'tiny', 'tiny:<hidden>x<layers>' (e.g. 'tiny:128x2'), 'tiny-moe', 'tiny-omni', 'hf:<repo id>', "
     "or a local model directory"
 )
-TINY_HEADS = 4
-_TINY = re.compile(r"tiny(?::(\d+)x(\d+))?")
 FAMILIES: dict[str, str] = {
     "tiny-moe": "workers.moe.tiny:build_tiny_moe",
     "tiny-omni": "workers.omni.tiny:build_tiny_omni",
@@ -52,24 +61,32 @@ FAMILIES: dict[str, str] = {
 module is imported only when a run asks for that source (the media stack is not needed for text)."""
 
 
-def materialize(source: str, target_dir: Path, seed: int = 0) -> Path:
+_SOURCE: TypeAdapter[AnySource] = TypeAdapter(ModelSource)
+
+
+def as_source(source: AnySource | str) -> AnySource:
+    """`source` as a union member of `model.source`; a string is its shorthand (`tiny:128x2`, `hf:<repo>`)."""
+    return source if isinstance(source, BaseModel) else _SOURCE.validate_python(source)
+
+
+def materialize(source: AnySource | str, target_dir: Path, seed: int = 0) -> Path:
     """Return a directory holding the model and tokenizer named by `source` (building it if needed)."""
-    tiny = _TINY.fullmatch(source)
-    if tiny:
-        hidden, layers = (int(tiny[1]), int(tiny[2])) if tiny[1] else (128, 2)
-        return _build_tiny(hidden, layers, Path(target_dir), seed)
-    if source in FAMILIES:
-        module, _, name = FAMILIES[source].partition(":")
+    source = as_source(source)
+    if isinstance(source, TinySource):
+        return _build_tiny(source.hidden, source.layers, Path(target_dir), seed)
+    if isinstance(source, TinyMoeSource | TinyOmniSource):
+        module, _, name = FAMILIES[source.type].partition(":")
         build: Callable[[Path, int], Path] = getattr(importlib.import_module(module), name)
         return build(Path(target_dir), seed)
-    if source.startswith("hf:"):
-        return _point_at_hub(source.removeprefix("hf:"), Path(target_dir))
-    path = Path(source).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model directory {path} has no config.json")
-        return path
-    raise ValueError(f"unknown model source {source!r}: expected {KNOWN_SOURCES}")
+    if isinstance(source, HfSource):
+        return _point_at_hub(source, Path(target_dir))
+    assert isinstance(source, DirSource)
+    path = Path(source.path).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"unknown model source {source.path!r}: expected {KNOWN_SOURCES}")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model directory {path} has no config.json")
+    return path
 
 
 def tiny_config(hidden: int = 128, layers: int = 2) -> LlamaConfig:
@@ -94,15 +111,15 @@ def tiny_config(hidden: int = 128, layers: int = 2) -> LlamaConfig:
 
 def load_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """Load the causal LM in `model_dir` in eval mode with eager attention."""
-    name = _resolve(Path(model_dir))
+    name, revision = _resolve(Path(model_dir))
     hf_logging.disable_progress_bar()  # tqdm bars would interleave with the structured log lines
-    model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype, attn_implementation="eager")
+    model = _from_pretrained(AutoModelForCausalLM, name, revision, dtype=dtype, attn_implementation="eager")
     return model.eval()  # type: ignore[no-any-return]
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     """Load the tokenizer saved next to the model in `model_dir`."""
-    return _from_pretrained(AutoTokenizer, _resolve(Path(model_dir)))  # type: ignore[no-any-return]
+    return _from_pretrained(AutoTokenizer, *_resolve(Path(model_dir)))  # type: ignore[no-any-return]
 
 
 def _build_tiny(hidden: int, layers: int, target_dir: Path, seed: int) -> Path:
@@ -113,32 +130,35 @@ def _build_tiny(hidden: int, layers: int, target_dir: Path, seed: int) -> Path:
     )
 
 
-def _point_at_hub(repo: str, target_dir: Path) -> Path:
-    """Record a hub repo id in `target_dir`; refuse at once when the hub is off and the repo is not cached."""
-    if not repo:
-        raise ValueError("hf: source needs a repo id, e.g. 'hf:HuggingFaceTB/SmolLM2-135M'")
-    cached = huggingface_hub.try_to_load_from_cache(repo, "config.json")
+def _point_at_hub(source: HfSource, target_dir: Path) -> Path:
+    """Record a hub repo id (and revision) in `target_dir`; refuse at once when the hub is off and the repo is not
+    cached."""
+    cached = huggingface_hub.try_to_load_from_cache(source.id, "config.json", revision=source.revision)
     if huggingface_hub.constants.HF_HUB_OFFLINE and not isinstance(cached, str):
-        raise ValueError(f"model source hf:{repo} needs the Hugging Face hub, but HF_HUB_OFFLINE is set")
+        raise ValueError(f"model source {source.shorthand()} needs the Hugging Face hub, but HF_HUB_OFFLINE is set")
     target_dir.mkdir(parents=True, exist_ok=True)
-    (target_dir / SOURCE_FILE).write_text(json.dumps({"source": f"hf:{repo}"}))
+    (target_dir / SOURCE_FILE).write_text(json.dumps({"source": f"hf:{source.id}", "revision": source.revision}))
     return target_dir
 
 
-def _resolve(model_dir: Path) -> str:
-    """The name to hand to `from_pretrained`: the directory itself, or the hub repo id it records."""
+def _resolve(model_dir: Path) -> tuple[str, str | None]:
+    """The name and revision to hand to `from_pretrained`: the directory itself, or the hub repo id (and revision)
+    it records."""
     marker = model_dir / SOURCE_FILE
     if marker.is_file() and not (model_dir / "config.json").is_file():
-        source = json.loads(marker.read_text())["source"]
+        record = json.loads(marker.read_text())
+        source = record["source"]
         if isinstance(source, str) and source.startswith("hf:"):
-            return source.removeprefix("hf:")
+            return source.removeprefix("hf:"), record.get("revision")
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"model directory {model_dir} has no config.json; build it with materialize()")
-    return str(model_dir)
+    return str(model_dir), None
 
 
-def _from_pretrained(loader: Any, name: str, **kwargs: Any) -> Any:
+def _from_pretrained(loader: Any, name: str, revision: str | None = None, **kwargs: Any) -> Any:
     """Call `loader.from_pretrained(name)`, turning an unreachable hub repo into a one-line ValueError."""
+    if revision is not None:
+        kwargs["revision"] = revision
     try:
         return loader.from_pretrained(name, **kwargs)
     except OSError as err:

@@ -61,7 +61,7 @@ async def export(bus: Bus, out: Path, step: int | None, work_dir: Path) -> dict[
     source: bytes | Path = Path(found["dir"]) if "dir" in found else await bus.weights.get(found["object"])
     base = await asyncio.to_thread(materialize, cfg.model.source, work_dir / bus.run / "base", cfg.model.seed)
     await asyncio.to_thread(_write, source, base, out)
-    record = {"source": "export", "run": bus.run, "step": chosen, "base": cfg.model.source}
+    record = {"source": "export", "run": bus.run, "step": chosen, "base": cfg.model.source.shorthand()}
     (out / SOURCE_FILE).write_text(json.dumps(record))
     return {**record, "out": str(out), "files": sorted(p.name for p in out.iterdir())}
 

@@ -117,7 +117,7 @@ class RoleProcess:
 def role_commands(config: PipelineConfig, url: str, work_dir: Path) -> list[tuple[str, int, list[str]]]:
     """The `relax worker` command line of every process the run needs, from the role registry: a role
     with several ranks under torchrun, one on several nodes as one torchrun agent per node, all on this
-    machine at one c10d rendezvous (`trainer.rdzv_endpoint`, or 127.0.0.1 and a free port).
+    machine at one c10d rendezvous (`trainer.distributed.rdzv_endpoint`, or 127.0.0.1 and a free port).
 
     A URL with a password is left out (any user can read argv): `RunProcesses` hands it to the roles
     as RELAX_NATS_URL in their environment instead."""
@@ -141,7 +141,7 @@ def role_commands(config: PipelineConfig, url: str, work_dir: Path) -> list[tupl
         role_args = [a.format(role=role) for a in args]
         for instance in range(entry.processes(config)):
             # Several nodes on this one machine: one torchrun agent per node, all at one rendezvous.
-            endpoint = (config.trainer.rdzv_endpoint or f"127.0.0.1:{free_port()}") if nodes > 1 else None
+            endpoint = (config.trainer.distributed.rdzv_endpoint or f"127.0.0.1:{free_port()}") if nodes > 1 else None
             for node in range(nodes):
                 cmd = [sys.executable, "-m", "workers.cli", *role_args]
                 if ranks > 1 or nodes > 1:

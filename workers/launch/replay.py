@@ -109,8 +109,10 @@ async def train_groups(bus: Bus, record: StepRecord, step: int) -> list[TrainGro
 async def replay(bus: Bus, step: int, work_dir: Path) -> Replay:
     """Recompute step `step` of the run on `bus` from the newest kept checkpoint before it."""
     cfg = bus.config
-    if cfg.trainer.nproc > 1:
-        raise ReplayFailed(f"run {bus.run} trained on {cfg.trainer.nproc} ranks; replay reproduces 1-rank trainers")
+    if cfg.trainer.distributed.nproc > 1:
+        raise ReplayFailed(
+            f"run {bus.run} trained on {cfg.trainer.distributed.nproc} ranks; replay reproduces 1-rank trainers"
+        )
     records = await history(bus)
     if step not in records or not records[step].metrics:
         known = f"1..{max(records)}" if records else "none"
@@ -118,7 +120,7 @@ async def replay(bus: Bus, step: int, work_dir: Path) -> Replay:
     where = await kept_checkpoints(bus)
     kept = [s for s in where if s < step]
     if not kept:
-        raise ReplayFailed(f"run {bus.run} keeps no checkpoint before step {step} (raise trainer.keep_checkpoints)")
+        raise ReplayFailed(f"run {bus.run} keeps no checkpoint before step {step} (raise trainer.checkpoint.keep)")
     base = kept[-1]
     between = list(range(base + 1, step))
     missing = [s for s in between if s not in records]

@@ -14,8 +14,8 @@ the next step's collection go on. The next publish, a checkpoint and the end of 
 first, so versions are published in order and a checkpoint's version is always readable. A publish
 that failed fails the actor at that wait (it restarts from its checkpoint, as after any crash).
 
-Checkpoints (every `trainer.checkpoint_every` steps, and at step 0) go to the weights object store, or as
-every rank's shards to `trainer.checkpoint_dir` (`workers.roles.actor_checkpoint`), with a record in KV:
+Checkpoints (every `trainer.checkpoint.every` steps, and at step 0) go to the weights object store, or as
+every rank's shards to `trainer.checkpoint.dir` (`workers.roles.actor_checkpoint`), with a record in KV:
 model, optimizer, step, version, the train consumer's ack floor and the ledger of settled groups
 (`workers.roles.ledger`). A restarted actor loads the latest, rewinds the consumer to the floor and skips
 every group its ledger holds; so do copies of a group published again after a crash, wherever they land
@@ -263,7 +263,7 @@ class Actor:
         self.state.step += 1
         await self._put(STEP_KEY, str(self.state.step))
         await self._record_step(batch, metrics, lags, weight_sync_s)
-        if self.state.step % self.cfg.trainer.checkpoint_every == 0 or self.state.step == self.cfg.trainer.steps:
+        if self.state.step % self.cfg.trainer.checkpoint.every == 0 or self.state.step == self.cfg.trainer.steps:
             await self._checkpoint()
         if self.state.step >= self.cfg.trainer.steps:
             self.worker.stop()

@@ -2,7 +2,7 @@
 (data first, record after, older ones pruned), so a crash mid-save leaves the previous record.
 
 A checkpoint is either one object in the weights store (`ckpt-<step>`, the whole state gathered on rank 0)
-or, with `trainer.checkpoint_dir`, a directory `<checkpoint_dir>/<run>/ckpt-<step>` of every rank's shards
+or, with `trainer.checkpoint.dir`, a directory `<checkpoint_dir>/<run>/ckpt-<step>` of every rank's shards
 (`workers.checkpoints.sharded`); the record says which (`object` or `dir`)."""
 
 from __future__ import annotations
@@ -49,18 +49,18 @@ async def kept_checkpoints(bus: Bus) -> dict[int, dict[str, str]]:
 
 def sharded_root(bus: Bus) -> Path | None:
     """The directory of this run's sharded checkpoints; None when they go to the object store."""
-    root = bus.config.trainer.checkpoint_dir
+    root = bus.config.trainer.checkpoint.dir
     return None if root is None else Path(root) / bus.run
 
 
 def sharded_path(bus: Bus, step: int) -> Path:
     root = sharded_root(bus)
-    assert root is not None, "trainer.checkpoint_dir is not set"
+    assert root is not None, "trainer.checkpoint.dir is not set"
     return root / f"{CHECKPOINT_PREFIX}{step}"
 
 
 async def store_checkpoint(bus: Bus, data: bytes, step: int, version: int, floor: int) -> dict[str, Any]:
-    """Upload checkpoint bytes, then point the record at them and prune past `trainer.keep_checkpoints`."""
+    """Upload checkpoint bytes, then point the record at them and prune past `trainer.checkpoint.keep`."""
     name = f"{CHECKPOINT_PREFIX}{step}"
     await through_outage(lambda: bus.weights.put(name, data), f"put checkpoint {name}")
     return await _record(bus, {"object": name}, name, step, version, floor)

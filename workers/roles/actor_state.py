@@ -49,8 +49,8 @@ def checkpoint_step(name: str) -> int | None:
 
 
 def retain_checkpoints(names: list[Any], trainer: Any) -> tuple[list[str], list[str]]:
-    """Split checkpoint names into (kept, pruned): step 0's and the newest `trainer.keep_checkpoints` stay."""
+    """Split checkpoint names into (kept, pruned): step 0's and the newest `trainer.checkpoint.keep` stay."""
     by_step = {checkpoint_step(n): n for n in names if isinstance(n, str) and checkpoint_step(n) is not None}
     steps = sorted(s for s in by_step if s)
-    kept = [by_step[s] for s in ([0] if 0 in by_step else []) + steps[-trainer.keep_checkpoints :]]
-    return kept, [by_step[s] for s in steps[: -trainer.keep_checkpoints]]
+    kept = [by_step[s] for s in ([0] if 0 in by_step else []) + steps[-trainer.checkpoint.keep :]]
+    return kept, [by_step[s] for s in steps[: -trainer.checkpoint.keep]]

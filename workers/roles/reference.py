@@ -1,7 +1,7 @@
 """The reference role: log-probs of every sampled response under the initial policy (version 0).
 
-In the chain only when `trainer.kl_coef > 0`: scored -> reference -> train. An MoE reference under
-`trainer.routing_replay: r3` is forced to the experts the rollout engine routed each token to, as the trainer is.
+In the chain only when `trainer.kl.coef > 0`: scored -> reference -> train. An MoE reference under
+`trainer.moe.routing_replay: r3` is forced to the experts the rollout engine routed each token to, as the trainer is.
 """
 
 from __future__ import annotations
@@ -66,7 +66,9 @@ async def reference_worker(bus: Bus, cache_dir: Path, options: WorkerOptions | N
     model.eval()
     log.info("reference_ready", model=str(model_dir))
     temperature = cfg.rollout.temperature
-    replay = cfg.trainer.routing_replay == "r3" and bool(routers(model))  # an MoE reference takes the rollout's routing
+    replay = cfg.trainer.moe.routing_replay == "r3" and bool(
+        routers(model)
+    )  # an MoE reference takes the rollout's routing
 
     def compute(group: ScoredGroup) -> TrainGroup:
         with torch.no_grad():

@@ -306,7 +306,7 @@ async def rollout_worker(
     model_dir = await asyncio.to_thread(materialize, cfg.model.source, cache_dir / "base", cfg.model.seed)
     engine_cfg = cfg.rollout.engine
     device = engine_device(cfg.rollout.device)
-    record = cfg.trainer.routing_replay == "r3"  # the experts of every token travel with the samples (docs/r3.md)
+    record = cfg.trainer.moe.routing_replay == "r3"  # the experts of every token travel with the samples (docs/r3.md)
     engine = await asyncio.to_thread(
         lambda: make_engine(engine_cfg.type, model_dir, device=device, record_routing=record, **engine_cfg.options())
     )

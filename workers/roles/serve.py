@@ -4,7 +4,7 @@ The role is looked up in the registry (`workers.role_registry`) and its module's
 it; the run config is read from KV, and the parts of it the role uses (its registry entry's `checks`: the
 model, the task, the rewards, the engine) are checked before it starts (`workers.preflight`): a config that
 cannot work is refused with exit code 2 and one error, and not restarted. A role whose config spans several
-nodes (the trainer with `trainer.nnodes` > 1) re-executes itself as this node's torchrun agent.
+nodes (the trainer with `trainer.distributed.nnodes` > 1) re-executes itself as this node's torchrun agent.
 SIGTERM/SIGINT stop the role gracefully: workers finish or hand back their in-flight messages, the actor
 hands back a half-collected step, and the process exits 0.
 """

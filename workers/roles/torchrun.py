@@ -6,8 +6,9 @@
 
 With the c10d backend the rendezvous numbers the nodes as they join (no --node-rank): the torchrun agent
 on the endpoint's machine hosts the store, the others connect to it. Only the trainer spans nodes, so
-the rendezvous settings are the trainer section's (`trainer.rdzv_endpoint`, `trainer.rdzv_id`, default
-the run id). Nothing here imports torch: `relax run` builds these lines without loading it.
+the rendezvous settings are the trainer section's (`trainer.distributed.rdzv_endpoint`,
+`trainer.distributed.rdzv_id`, default the run id). Nothing here imports torch: `relax run` builds these lines
+without loading it.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ def launcher(config: PipelineConfig, ranks: int, nodes: int, endpoint: str | Non
         raise ConfigError(
             "trainer",
             [
-                f"trainer.nnodes is {nodes}, so every node needs trainer.rdzv_endpoint: host:port of the "
-                "rendezvous store on the first node, reachable from the others (only `relax run`, which "
-                "starts every node on one machine, picks one itself)"
+                f"trainer.distributed.nnodes is {nodes}, so every node needs trainer.distributed.rdzv_endpoint: "
+                "host:port of the rendezvous store on the first node, reachable from the others (only `relax run`, "
+                "which starts every node on one machine, picks one itself)"
             ],
         )
     return [
@@ -41,7 +42,7 @@ def launcher(config: PipelineConfig, ranks: int, nodes: int, endpoint: str | Non
         f"--nproc-per-node={ranks}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={endpoint}",
-        f"--rdzv-id={config.trainer.rdzv_id or config.run}",
+        f"--rdzv-id={config.trainer.distributed.rdzv_id or config.run}",
     ]
 
 
@@ -61,7 +62,7 @@ def reexec_under_torchrun(config: PipelineConfig, ranks: int, nodes: int) -> Non
 
     The process keeps its PID, so whatever supervises it (systemd, Kubernetes, `relax run`) stops the
     agent, which stops its ranks. Raises ConfigError when the config names no rendezvous endpoint."""
-    args = [*launcher(config, ranks, nodes, config.trainer.rdzv_endpoint), "-m", "workers.cli"]
+    args = [*launcher(config, ranks, nodes, config.trainer.distributed.rdzv_endpoint), "-m", "workers.cli"]
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, *args, *worker_arguments(sys.argv[1:])])

@@ -28,7 +28,7 @@ How this deviates from the textbook:
 - RLOO (Ahmadian et al., 2024) as the leave-one-out mean of the other n - 1 rewards of the group.
 - REINFORCE++ (Hu, 2025) whitens token-level discounted returns that include a KL reward penalty over
   the batch's tokens. Here the reward is one number per response, the KL is a separate loss term
-  (`trainer.kl_coef`), and the batch statistics are over responses, not tokens (a long response does
+  (`trainer.kl.coef`), and the batch statistics are over responses, not tokens (a long response does
   not weigh more in mean_B and std_B). `reinforce_pp_baseline` (REINFORCE++-baseline) subtracts the
   group mean first; its batch mean is then zero in exact arithmetic and is not subtracted again, so
   the exact zeros of all-equal groups survive.

@@ -1,7 +1,7 @@
 """Where the trainer runs and in what precision, and joining torchrun's process group.
 
-    trainer.device     auto -> cuda:<LOCAL_RANK> when CUDA is present, else cpu
-    trainer.precision  auto -> bf16 on CUDA, fp32 on CPU
+    trainer.compute.device     auto -> cuda:<LOCAL_RANK> when CUDA is present, else cpu
+    trainer.compute.precision  auto -> bf16 on CUDA, fp32 on CPU
 
 bf16 keeps fp32 master weights and optimizer state: one process computes under `torch.autocast`,
 FSDP2 casts the gathered parameters with a `MixedPrecisionPolicy` (bf16 compute, fp32 gradient
@@ -21,24 +21,26 @@ import torch.distributed as dist
 
 
 def resolve_device(kind: str) -> torch.device:
-    """The torch device for `trainer.device`; ValueError when `cuda` is asked for on a machine without it."""
+    """The torch device for `trainer.compute.device`; ValueError when `cuda` is asked for on a machine without it."""
     if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError("trainer.device is 'cuda' but torch sees no CUDA device (torch.cuda.is_available() is False)")
+        raise ValueError(
+            "trainer.compute.device is 'cuda' but torch sees no CUDA device (torch.cuda.is_available() is False)"
+        )
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def reads_ahead(trainer: Any) -> bool:
-    """Whether the actor decodes the next step's groups while a step trains (`trainer.read_ahead`, a
+    """Whether the actor decodes the next step's groups while a step trains (`trainer.compute.read_ahead`, a
     `TrainerConfig`): `auto` reads ahead unless the update computes on the CPU (a simulated step sleeps)."""
-    if trainer.read_ahead != "auto":
-        return bool(trainer.read_ahead == "on")
-    return trainer.simulate is not None or resolve_device(trainer.device).type != "cpu"
+    if trainer.compute.read_ahead != "auto":
+        return bool(trainer.compute.read_ahead == "on")
+    return trainer.simulate is not None or resolve_device(trainer.compute.device).type != "cpu"
 
 
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """The dtype of matrix multiplies for `trainer.precision` on `device`."""
+    """The dtype of matrix multiplies for `trainer.compute.precision` on `device`."""
     if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return torch.float32

@@ -7,11 +7,12 @@ before making it; ranks > 0 run `follow`, which receives and repeats them until 
 calls are the trainer's own (`step`, `full_state`, `load_full`), its checkpoints' (`checkpoints.<call>`,
 `workers.checkpoints.trainer_state`) and the supervised warm-up (`warm_up`, `workers.training.warmup`).
 
-On several nodes (`trainer.nnodes` > 1) nothing changes but the world: torchrun's c10d rendezvous
+On several nodes (`trainer.distributed.nnodes` > 1) nothing changes but the world: torchrun's c10d rendezvous
 numbers the nodes, RANK is global (the one rank 0 of all nodes drives, wherever it landed) and
 LOCAL_RANK numbers the ranks of one node (it picks the GPU: `workers.training.devices`). On several
-nodes every rank checks that the world torchrun built is the config's `trainer.nnodes x trainer.nproc`
-before the first mirrored call, so nodes started by hand with other torchrun flags fail with a config error.
+nodes every rank checks that the world torchrun built is the config's
+`trainer.distributed.nnodes x trainer.distributed.nproc` before the first mirrored call, so nodes started by
+hand with other torchrun flags fail with a config error.
 The process group keeps torch's default timeouts (a collective waits 30 minutes under gloo, 10 under
 nccl). A follower waits in its broadcast, a gloo collective on GPUs too (the objects are on the CPU),
 while rank 0 waits for train groups: a trainer starved of groups for 30 minutes fails on every rank,
@@ -62,17 +63,17 @@ def world() -> tuple[int, int]:
 
 
 def check_world(trainer: PolicyTrainer) -> None:
-    """ConfigError when a trainer configured for several nodes is not in a world of `trainer.nnodes x
-    trainer.nproc` ranks (on one node `nproc` only tells `relax run` how many ranks to start)."""
-    cfg = trainer.config.trainer
+    """ConfigError when a trainer configured for several nodes is not in a world of `trainer.distributed.nnodes x
+    trainer.distributed.nproc` ranks (on one node `nproc` only tells `relax run` how many ranks to start)."""
+    shape = trainer.config.trainer.distributed
     rank, size = world()
-    if cfg.nnodes > 1 and size != cfg.world_size:
+    if shape.nnodes > 1 and size != shape.world_size:
         raise ConfigError(
             "trainer",
             [
-                f"rank {rank} is in a world of {size} ranks, but trainer.nnodes x trainer.nproc is "
-                f"{cfg.nnodes} x {cfg.nproc} = {cfg.world_size}: start every node with --nnodes={cfg.nnodes} "
-                f"--nproc-per-node={cfg.nproc}"
+                f"rank {rank} is in a world of {size} ranks, but trainer.distributed.nnodes x "
+                f"trainer.distributed.nproc is {shape.nnodes} x {shape.nproc} = {shape.world_size}: start every node "
+                f"with --nnodes={shape.nnodes} --nproc-per-node={shape.nproc}"
             ],
         )
 

@@ -5,7 +5,8 @@ built (`forward_for`), so the step never asks which.
     shared prompt  each distinct prompt forwarded once, its key/value cache reused for its group's responses
                    (`workers.training.shared_prompt`); micro-batches then hold whole groups
     media          a multimodal policy's rows with their groups' processor tensors (`workers.training.media_policy`)
-    routed         any of the above under routing replay (`trainer.routing_replay`; `workers.training.routing_replay`)
+    routed         any of the above under routing replay (`trainer.moe.routing_replay`;
+                   `workers.training.routing_replay`)
 
 Every strategy answers `logprobs(batch, rows, old) -> (mb, logp)`: the rows cut from the step's batch onto the
 device (`mb`) and their log-probs [rows, width-1] (with grad when enabled; `old`: the no-grad pass before the

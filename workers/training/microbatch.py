@@ -5,7 +5,7 @@ forward/backward each, gradients accumulated), with the loss normalised as over 
     mini-batches                 `trainer.mini_batches` contiguous, near-equal slices of the rows
     a rank's share               rank r takes the r-th contiguous slice of each mini-batch (FSDP2)
     micro-batches                the share packed by length, longest first, so that rows x longest
-                                 <= `trainer.micro_batch_tokens` padded tokens (a longer sequence alone)
+                                 <= `trainer.compute.micro_batch_tokens` padded tokens (a longer sequence alone)
 
 Every micro-batch's loss is its sum over tokens (or sequences) divided by the count over the whole
 mini-batch on every rank, times the world size (FSDP2 averages gradients over ranks): the accumulated

@@ -26,7 +26,7 @@ How this deviates from the papers:
 - GSPO (Zheng et al., 2025): one length-normalised ratio per sequence, its gradient spread over the
   sequence's tokens (d s_b / d logp_t = s_b / n_b). The paper averages over sequences, which is
   `aggregation: sequence`; with `token` (the default) a sequence weighs by its length. The paper's clip
-  range is tiny (3e-4 / 4e-4): set `trainer.clip_low` / `clip_high` for it.
+  range is tiny (3e-4 / 4e-4): set `trainer.loss.clip_low` / `clip_high` for it.
 - CISPO (MiniMax-M1, 2025) clips the detached IS weight instead of the update, so every token keeps a
   gradient. The paper writes the objective as sg(clip(r)) A log pi; adding the constant 1 - sg(logp)
   leaves the gradient the same and makes the loss value -clip(r) A, comparable with the other losses.
@@ -160,8 +160,8 @@ class LossSettings:
         """The settings of `trainer.loss`, `trainer.correction`, the clip range and the aggregation."""
         return cls(
             loss=cfg.loss.type,
-            clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high,
+            clip_low=cfg.loss.clip_low,
+            clip_high=cfg.loss.clip_high,
             aggregation=cfg.aggregation,
             correction=cfg.correction.type,
             loss_options=cfg.loss.options(),

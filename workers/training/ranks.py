@@ -1,7 +1,7 @@
 """How the trainer's ranks share a step: one process, or FSDP2 across torchrun's ranks. Chosen once, when the
 trainer is built (`ranks_for`), so the step itself never asks which.
 
-                 one process                    FSDP2 (`trainer.nproc` > 1)
+                 one process                    FSDP2 (`trainer.distributed.nproc` > 1)
     model        as loaded                      every decoder layer and the whole model `fully_shard`ed
     rows         all of each mini-batch         this rank's even share (`split_even`)
     passes       as many as the micro-batches   padded with empty forwards to the most any rank has

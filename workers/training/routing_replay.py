@@ -1,4 +1,4 @@
-"""Routing replay in the trainer (`trainer.routing_replay`; docs/r3.md): which experts each training forward is
+"""Routing replay in the trainer (`trainer.moe.routing_replay`; docs/r3.md): which experts each training forward is
 forced to use, laid out as the forward lays out its tokens, and the per-step routing metrics.
 
 A row's routing is [S, layers, k] with S = prompt + response - 1 (the tokens the rollout engine fed its model).
@@ -96,7 +96,7 @@ def routing_problem(group: TrainGroup, layers: int, k: int, experts: int) -> str
     for i, s in enumerate(group.scored.rollout.samples):
         r = s.routed_experts
         if r is None:
-            return f"sample {i} carries no routed experts (trainer.routing_replay r3 needs the rollout's routing)"
+            return f"sample {i} carries no routed experts (trainer.moe.routing_replay r3 needs the rollout's routing)"
         if tuple(r.shape[1:]) != (layers, k):
             return f"sample {i}: routing for {r.shape[1]} layers x top-{r.shape[2]}, the model has {layers} x top-{k}"
         ids = routed_experts(r)

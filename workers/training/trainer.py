@@ -16,19 +16,19 @@ updates on them (see `workers.training.microbatch` for how they are cut):
 What varies with the config is chosen once, when the trainer is built, so the step reads the same for all:
 
     forward   how a micro-batch becomes log-probs (`workers.training.forward`): plain; shared-prompt (each
-              distinct prompt forwarded once, its key/value cache reused for its group; `trainer.shared_prompt`,
+              distinct prompt forwarded once, its key/value cache reused for its group; `trainer.compute.shared_prompt`,
               on by default in one process); media (a multimodal policy); the text ones routed under
-              `trainer.routing_replay` (mixture-of-experts policies: forced to the rollout's experts, r3, or to
+              `trainer.moe.routing_replay` (mixture-of-experts policies: forced to the rollout's experts, r3, or to
               the trainer's own routing before the first update, r2; `workers.training.routing_replay`)
     ranks     one process, or FSDP2 (`workers.training.ranks`, below)
 
 The PPO ratio exp(logp - logp_old) is 1 in the first update and moves from the second on, where the
 clip binds; the off-policy gap between the trainer's old policy and the rollout engine's policy is
 corrected by `trainer.correction` (by default the truncated importance weight exp(logp_old - logp_rollout),
-capped at `tis_high`; docs/algorithms.md lists the losses and corrections). A published
+capped at its `high`; docs/algorithms.md lists the losses and corrections). A published
 policy version is one trainer step: all of its updates.
 
-With `trainer.nproc > 1` every rank runs this same code under torchrun: the model is sharded with
+With `trainer.distributed.nproc > 1` every rank runs this same code under torchrun: the model is sharded with
 FSDP2 (`fully_shard`) and each rank takes its share of each mini-batch; the loss is normalised over the
 whole mini-batch on every rank, so tokens weigh as in one process whatever the ranks hold.
 
@@ -73,24 +73,26 @@ class PolicyTrainer:
         self.config = config
         self.cfg = cfg = config.trainer
         torch.manual_seed(cfg.seed)
-        self.device = resolve_device(cfg.device)
-        self.dtype = compute_dtype(cfg.precision, self.device)
+        self.device = resolve_device(cfg.compute.device)
+        self.dtype = compute_dtype(cfg.compute.precision, self.device)
         self.ranks = ranks_for(self.device, self.dtype)
         """One process or FSDP2 (`workers.training.ranks`): sharding, each rank's rows, padding, sums."""
         self.rank, self.world = self.ranks.rank, self.ranks.world
         model, self.tokenizer, self.prompter = load_policy(model_dir)
         """`prompter`: a multimodal policy's processor (`workers.training.media_policy`), None for a text one."""
         self.model = model.to(self.device)
-        if self.prompter is not None and (self.world > 1 or cfg.routing_replay != "off"):
-            raise ValueError("a multimodal policy trains in one process (trainer.nproc 1) without routing replay")
+        if self.prompter is not None and (self.world > 1 or cfg.moe.routing_replay != "off"):
+            raise ValueError(
+                "a multimodal policy trains in one process (trainer.distributed.nproc 1) without routing replay"
+            )
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         """Token ids at or above this are refused before they reach a step (`workers.training.batch.untrainable`)."""
-        if cfg.activation_checkpointing:
+        if cfg.compute.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
         self.ranks.shard(self.model)
-        replay = cfg.routing_replay
-        self.routing = None if replay == "off" else TrainerRouting(self.model, replay, cfg.routing_metrics_fraction)
+        replay = cfg.moe.routing_replay
+        self.routing = None if replay == "off" else TrainerRouting(self.model, replay, cfg.moe.metrics_fraction)
         # One forward per backward under FSDP2 and with checkpointing (which turns the KV cache off); a multimodal
         # policy shares each prompt its own way (`workers.omni.group_forward`).
         self.forward = forward_for(
@@ -99,15 +101,15 @@ class PolicyTrainer:
             config.rollout.temperature,
             self.ranks.autocast,
             media=self.prompter is not None,
-            shared_prompt=cfg.shared_prompt and self.world == 1 and not cfg.activation_checkpointing,
+            shared_prompt=cfg.compute.shared_prompt and self.world == 1 and not cfg.compute.activation_checkpointing,
             routing=self.routing,
         )
         """How micro-batches become log-probs (`workers.training.forward`), chosen here once."""
         self.loss_settings = LossSettings.of(cfg)
-        self.optimizer = make_optimizer(self.model, cfg.lr, cfg.weight_decay)
+        self.optimizer = make_optimizer(self.model, cfg.optim.lr, cfg.optim.weight_decay)
         updates = cfg.steps * cfg.updates_per_step
         self.scheduler = make_scheduler(
-            self.optimizer, cfg.lr_schedule, cfg.lr_warmup_updates, updates, cfg.min_lr_ratio
+            self.optimizer, cfg.schedule.kind, cfg.schedule.warmup_updates, updates, cfg.schedule.min_lr_ratio
         )
         self.checkpoints = TrainerCheckpoints(self.model, self.optimizer, self.scheduler, self.rank, self.world)
         """Model, optimizer and schedule in and out (`workers.checkpoints`)."""
@@ -165,7 +167,7 @@ class PolicyTrainer:
         """This rank's micro-batches (row indices) of a mini-batch, padded to as many passes as any rank makes."""
         mine = self.ranks.share(rows)
         lengths, group_of = [batch.lengths[r] for r in mine], [batch.group_of[r] for r in mine]
-        packed = self.forward.pack(lengths, group_of, self.cfg.micro_batch_tokens)
+        packed = self.forward.pack(lengths, group_of, self.cfg.compute.micro_batch_tokens)
         micro = [[mine[i] for i in rows] for rows in packed]
         return Plan(micro, padding=self.ranks.most(len(micro)) - len(micro))
 
@@ -194,7 +196,7 @@ class PolicyTrainer:
             (loss * self.ranks.loss_scale).backward()  # FSDP2 averages gradients over ranks
             sums.add(loss, metrics, float(mb.mask.sum()))
         self.ranks.empty_passes(self.model, plan.padding, backward=True)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         return {**sums.reduced(self.ranks, tokens), "grad_norm": self.ranks.scalar(grad_norm)}
@@ -206,8 +208,8 @@ class PolicyTrainer:
         against the reference when one is in the chain (its value then in the metrics' `kl`)."""
         cfg = self.cfg
         loss, metrics = policy_loss(logp, logp_old, mb.rollout_logp, adv, mb.mask, self.loss_settings, normalizer)
-        if cfg.kl_coef > 0 and mb.ref_logp is not None:
-            kl = aggregate(kl_penalty(logp, mb.ref_logp, mb.mask, cfg.kl_kind), mb.mask, cfg.aggregation, normalizer)
+        if cfg.kl.coef > 0 and mb.ref_logp is not None:
+            kl = aggregate(kl_penalty(logp, mb.ref_logp, mb.mask, cfg.kl.kind), mb.mask, cfg.aggregation, normalizer)
             metrics["kl"] = float(kl.detach())
-            loss = loss + cfg.kl_coef * kl
+            loss = loss + cfg.kl.coef * kl
         return loss, metrics

@@ -1,0 +1,54 @@
+"""`roles`: process counts of the role registry's scalable roles, checked against the registry."""
+
+import pytest
+
+from relax_bus.errors import ConfigError
+from relax_bus.overrides import parse_overrides
+from workers.config import PipelineConfig, load_config, parse_config
+from workers.role_registry import ROLES, SCALABLE_ROLES, role_def
+
+
+def problems_of(roles) -> list[str]:
+    with pytest.raises(ConfigError) as err:
+        parse_config({"run": "r", "roles": roles})
+    return err.value.problems
+
+
+def test_counts_default_to_one_and_the_registry_reads_them():
+    config = parse_config({"run": "r", "roles": {"rollout": 3}, "trainer": {"kl": {"coef": 0.1}}})
+    assert config.model_dump()["roles"] == {"rollout": 3, "reward": 1, "reference": 1}
+    assert {r.name: r.processes(config) for r in ROLES} == {
+        "feeder": 1,
+        "rollout": 3,
+        "reward": 1,
+        "reference": 1,
+        "actor": 1,
+        "metrics": 1,
+    }
+    assert set(SCALABLE_ROLES) == {"rollout", "reward", "reference"}
+
+
+def test_unknown_and_single_process_roles_are_refused_each_on_one_line():
+    problems = problems_of({"rollouts": 2, "actor": 2, "feeder": 1, "reward": 2})
+    assert problems == [
+        "roles.rollouts: unknown role 'rollouts' (roles with a process count: rollout, reward, reference) (got 2)",
+        "roles.actor: the actor role runs as one process: only rollout, reward, reference take a process count (got 2)",
+        "roles.feeder: the feeder role runs as one process: only rollout, reward, reference take a process count "
+        "(got 1)",
+    ]
+
+
+def test_a_negative_count_is_refused():
+    assert problems_of({"reward": -1}) == ["roles.reward: Input should be greater than or equal to 0 (got -1)"]
+
+
+def test_a_dotted_override_sets_one_count(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("run: r\nroles: {reward: 2}\n")
+    config = load_config(path, parse_overrides(["roles.rollout=4"]))
+    assert (config.roles.count("rollout"), config.roles.count("reward")) == (4, 2)
+    assert role_def("rollout").processes(config) == 4
+
+
+def test_every_scalable_role_count_is_tunable():
+    assert {f"roles.{name}" for name in SCALABLE_ROLES} <= PipelineConfig.tunable
