@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         "samples": args.samples,
         "tokens": tokens,
         "prompt_tokens": prompt_tokens,
-        "compute": {"micro_batch_tokens": budget},
+        "micro_batch_tokens": budget,
         "threads": args.threads,
         "rows": rows,
     }
