@@ -13,7 +13,7 @@ reward scorer scores them. Then, per step:
 - rollout: a `relax_bus.worker.Worker` with the rollout role's input and output taking the step's
   prompt groups (fetch, decode, handler, publish of the rollout group, ack; the handler returns
   the ready-made group, so no compute is in it), then fetching and decoding the new weights
-  (`ObjectStoreTransport.fetch`); loading them into the engine is shown apart (engine work);
+  (`ObjectStoreTransport.read`); loading them into the engine is shown apart (engine work);
 - the version watch: latency from the compare-and-set to a rollout worker's tracker seeing it.
 The step's compute is measured in the same run with one thread per role, as in a run: T_generate
 (engine call) and T_train (PolicyTrainer.step). Fractions are bus seconds over the pipelined step
@@ -197,7 +197,7 @@ async def rollout_side(
     await task
     await drain(bus, "rollouts", "reward")
     t2 = time.perf_counter()
-    await transport.fetch(version)
+    await transport.read(version)
     t3 = time.perf_counter()
     return {"prompts_to_rollouts_s": t1 - t0, "fetch_weights_s": t3 - t2}
 

@@ -97,7 +97,7 @@ async def run_mode(config: PipelineConfig, run_dir: Path) -> dict[str, Any]:
             bus = await Bus.attach(nc, config.run, PipelineConfig)
             groups = await read_train_groups(bus)
             steps = await step_records(bus)
-            final = await make_transport(bus).fetch(config.trainer.steps)  # the weights the run ends with
+            final = await make_transport(bus).read(config.trainer.steps)  # the weights the run ends with
         finally:
             await nc.close()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -7,7 +7,7 @@ rollout worker's side in a child process (its own event loop and connection, as 
 (decimal MB of float32 tensors, `benchmarks/weights_sync.make_state`), alternating, --repeat times:
 - after: the reader fetches once the publish has returned (what the version's announcement triggers when
   the reader was told nothing ahead): latency = publish + fetch.
-- streamed: the reader was told the version comes next (`ObjectStoreTransport.prefetch`, what a rollout
+- streamed: the reader was told the version comes next (`ObjectStoreTransport.expect`, what a rollout
   worker does after each load) and follows the upload's chunks while they are stored; it fetches once the
   publish has returned, which then only waits for the last chunks and the digest. Latency = from the start
   of the publish to the end of that fetch.
@@ -68,9 +68,9 @@ async def main():
         verb, version = line.split()
         started = time.perf_counter()
         if verb == "prefetch":
-            await transport.prefetch(int(version))
+            await transport.expect(int(version))
         else:
-            await transport.fetch(int(version))
+            await transport.read(int(version))
         print(f"{{time.perf_counter() - started}} {{transport.streamed}}", flush=True)
 
 asyncio.run(main())

@@ -95,7 +95,7 @@ class MemoryTransport:
     async def publish(self, version: int, state: StateDict, step: int) -> None:
         self.blobs = {version: to_bytes(state)}
 
-    async def fetch(self, version: int) -> StateDict:
+    async def read(self, version: int) -> StateDict:
         return st_load(self.blobs[version])
 
 
@@ -103,7 +103,7 @@ async def timed(transport: Any, version: int, state: StateDict, params: StateDic
     started = time.perf_counter()
     await transport.publish(version, state, version)
     published = time.perf_counter()
-    fetched_state = await transport.fetch(version)
+    fetched_state = await transport.read(version)
     fetched = time.perf_counter()
     load_into(params, fetched_state)
     loaded = time.perf_counter()
@@ -123,7 +123,7 @@ class BroadcastCase:
         small = {"w": torch.zeros(4)}
         await self.publisher.publish(version, small, version)
         for reader in self.readers:
-            await reader.fetch(version)  # from the store; starts the reader's receiver
+            await reader.read(version)  # from the store; starts the reader's receiver
         sender = self.publisher.sender
         assert sender is not None
         for _ in range(1200):  # a minute
@@ -135,9 +135,9 @@ class BroadcastCase:
     async def publish(self, version: int, state: StateDict, step: int) -> None:
         await self.publisher.publish(version, state, step)
 
-    async def fetch(self, version: int) -> StateDict:
+    async def read(self, version: int) -> StateDict:
         before = [r.received for r in self.readers]
-        states = [await r.fetch(version) for r in self.readers]
+        states = [await r.read(version) for r in self.readers]
         assert [r.received for r in self.readers] == [b + 1 for b in before], "a reader missed the broadcast"
         return states[-1]
 

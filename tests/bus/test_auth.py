@@ -342,7 +342,7 @@ async def test_a_tiny_run_under_per_role_credentials(secured):
 
     async def generate(prompt: PromptGroup, delivery: Delivery) -> RolloutGroup:
         version = await tracker.wait_for(0)
-        state = await transport.fetch(version)
+        state = await transport.read(version)
         assert float(state["w"][0]) == version
         return f.rollout(prompt, version)
 

@@ -109,7 +109,7 @@ async def test_smollm2_trains_on_chat_templated_word_problems_and_exports(
         assert result["step"] == config.trainer.steps
         # (a broadcast reader gets a version it was not sent from the object store: read it there directly)
         reader = ObjectStoreTransport(cluster.bus) if weights == "broadcast" else make_transport(cluster.bus)
-        final = await reader.fetch(config.trainer.steps)
+        final = await reader.read(config.trainer.steps)
     finally:
         await cluster.stop()
         if weights == "shm":

@@ -54,9 +54,9 @@ async def join(publisher: BroadcastTransport, *readers: BroadcastTransport) -> N
     """Each reader fetches v0 (from the store, without joining), then v1 (from the store, joining); then wait until
     the publisher counts them all as live."""
     for reader in readers:
-        assert_exact(await reader.fetch(0), sample_state(0))
+        assert_exact(await reader.read(0), sample_state(0))
         assert reader.receiver is None
-        assert_exact(await reader.fetch(1), sample_state(1))
+        assert_exact(await reader.read(1), sample_state(1))
         assert reader.received == 0
     await members(publisher, len(readers))
 
@@ -74,7 +74,7 @@ async def test_readers_that_joined_get_every_version_by_broadcast_bit_for_bit(ma
     for version in (2, 3):
         await publisher.publish(version, big_state(version), step=version)
         for reader in readers:
-            assert_exact(await reader.fetch(version), big_state(version))
+            assert_exact(await reader.read(version), big_state(version))
     assert [r.received for r in readers] == [2, 2]  # neither touched the object store after joining
 
 
@@ -83,14 +83,14 @@ async def test_a_reader_joining_mid_run_gets_the_current_version_then_broadcasts
     first = make_transport(bus)
     await join(publisher, first)
     await publisher.publish(2, big_state(2), step=2)
-    assert_exact(await first.fetch(2), big_state(2))
+    assert_exact(await first.read(2), big_state(2))
     late = make_transport(bus)
-    assert_exact(await late.fetch(2), big_state(2))  # the current version, from the object store
+    assert_exact(await late.read(2), big_state(2))  # the current version, from the object store
     assert late.received == 0
     await members(publisher, 2)
     await publisher.publish(3, big_state(3), step=3)
     for reader in (first, late):
-        assert_exact(await reader.fetch(3), big_state(3))
+        assert_exact(await reader.read(3), big_state(3))
     assert (first.received, late.received) == (2, 1)
 
 
@@ -118,11 +118,11 @@ async def test_a_reader_killed_inside_a_round_costs_that_round_only(make_bus, na
             os.kill(child.pid, signal.SIGKILL)
         child.wait(timeout=30)
     assert child.returncode == -signal.SIGKILL
-    assert_exact(await survivor.fetch(2), big_state(2))  # by broadcast if it finished first, else from the store
+    assert_exact(await survivor.read(2), big_state(2))  # by broadcast if it finished first, else from the store
     await members(publisher, 1)  # the dead reader left out
     received = survivor.received
     await publisher.publish(3, big_state(3), step=3)
-    assert_exact(await survivor.fetch(3), big_state(3))
+    assert_exact(await survivor.read(3), big_state(3))
     assert survivor.received == received + 1  # the next round reached the survivor by broadcast again
 
 
@@ -131,14 +131,14 @@ async def test_readers_follow_a_new_publisher_after_the_trainer_restarts(make_bu
     reader = make_transport(bus)
     await join(publisher, reader)
     await publisher.publish(2, big_state(2), step=2)
-    assert_exact(await reader.fetch(2), big_state(2))
+    assert_exact(await reader.read(2), big_state(2))
     publisher.close()  # the trainer is gone, and its rendezvous store with it
     restarted = make_transport(bus)
     await restarted.publish(3, big_state(3), step=3)  # a new store, named in the KV; nobody has joined it yet
-    assert_exact(await reader.fetch(3), big_state(3))  # from the object store: the reader joins the new store
+    assert_exact(await reader.read(3), big_state(3))  # from the object store: the reader joins the new store
     await members(restarted, 1)
     await restarted.publish(4, big_state(4), step=4)
-    assert_exact(await reader.fetch(4), big_state(4))
+    assert_exact(await reader.read(4), big_state(4))
     assert reader.received == 2  # v2 from the first trainer, v4 from the second
 
 
@@ -154,11 +154,11 @@ async def test_a_bucket_that_differs_from_its_published_digest_is_refused(make_b
 
     monkeypatch.setattr(wb, "sha256", receiver_sees_other_bytes)
     await publisher.publish(2, big_state(2), step=2)
-    assert_exact(await reader.fetch(2), big_state(2))  # refused by broadcast: the object store's copy
+    assert_exact(await reader.read(2), big_state(2))  # refused by broadcast: the object store's copy
     assert reader.received == 0
     monkeypatch.setattr(wb, "sha256", real)
     await publisher.publish(3, big_state(3), step=3)
-    assert_exact(await reader.fetch(3), big_state(3))
+    assert_exact(await reader.read(3), big_state(3))
     assert reader.received == 1  # a refused bucket fails that round only
 
 

@@ -119,9 +119,9 @@ def test_parts_become_text_with_one_placeholder_per_item_in_order() -> None:
     ref = ImagePart(mime="image/png", ref=MediaRef(digest="sha256:" + "0" * 64))
     with pytest.raises(MediaError, match="no media store reader"):
         decode_parts([ref], tok)
-    assert len(decode_parts([ref], tok, fetch=lambda _: png(8, 8)).images) == 1
+    assert len(decode_parts([ref], tok, read=lambda _: png(8, 8)).images) == 1
     with pytest.raises(MediaError, match="exceed the limit of 1"):
-        decode_parts([ref, ref], tok, fetch=lambda _: png(8, 8), limits=MediaLimits(max_items=1))
+        decode_parts([ref, ref], tok, read=lambda _: png(8, 8), limits=MediaLimits(max_items=1))
 
 
 def test_answer_words_are_single_tokens() -> None:

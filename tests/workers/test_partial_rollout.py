@@ -135,7 +135,7 @@ async def test_a_version_that_failed_to_load_never_labels_a_token(model_dir, one
             return self.value
 
     class Transport:
-        async def fetch(self, version: int) -> dict[str, torch.Tensor]:
+        async def read(self, version: int) -> dict[str, torch.Tensor]:
             raise BlobNotFound(f"weights/v{version} is gone")  # ... but its weights cannot be read
 
     rollout = Rollout.__new__(Rollout)

@@ -60,11 +60,11 @@ async def test_a_state_dict_of_several_dtypes_comes_back_exact_as_views(shm):
     announcement = await shm.publish(0, state, step=0)
     assert announcement.transport == "shm" and announcement.location == str(shm.dir / "v0.safetensors")
     assert announcement.size == os.path.getsize(announcement.location)
-    fetched = await shm.fetch(0)
+    fetched = await shm.read(0)
     assert_exact(fetched, state)
     assert_exact(load_file(announcement.location), state)  # a valid safetensors file, too
     fetched["embed.weight"].add_(1.0)  # a write into a view stays in this process
-    assert_exact(await shm.fetch(0), state)
+    assert_exact(await shm.read(0), state)
 
 
 async def test_the_segment_and_its_folder_are_private_to_the_uid(shm):
@@ -85,7 +85,7 @@ async def test_a_folder_others_can_write_is_refused(tmp_path):
     await transport.publish(0, sample_state(), step=0)
     shared.chmod(0o770)  # a segment planted by the group is not read either
     with pytest.raises(PermissionError, match="only it can write"):
-        await transport.fetch(0)
+        await transport.read(0)
 
 
 async def test_retention_keeps_v0_and_the_newest_and_gone_versions_raise_blob_not_found(shm):
@@ -94,15 +94,15 @@ async def test_retention_keeps_v0_and_the_newest_and_gone_versions_raise_blob_no
         await shm.publish(version, state, step=version)
     assert sorted(p.name for p in shm.dir.iterdir()) == ["v0.safetensors", "v4.safetensors", "v5.safetensors"]
     for version in (0, 4, 5):
-        assert_exact(await shm.fetch(version), states[version])
+        assert_exact(await shm.read(version), states[version])
     for version in (1, 3, 9):
         with pytest.raises(BlobNotFound, match=rf"shm weights v{version} .* \(kept: \[0, 4, 5\]\)"):
-            await shm.fetch(version)
+            await shm.read(version)
 
 
 async def test_a_pruned_segment_stays_readable_through_views_already_taken(shm):
     await shm.publish(1, sample_state(1), step=1)
-    held = await shm.fetch(1)
+    held = await shm.read(1)
     for version in (2, 3, 4):
         await shm.publish(version, sample_state(version), step=version)
     assert not (shm.dir / "v1.safetensors").exists()
@@ -120,7 +120,7 @@ async def test_temp_segments_of_dead_publishers_are_pruned(shm):
 
 async def test_a_host_without_the_segments_gets_one_line_naming_the_transport(shm):
     with pytest.raises(BlobNotFound) as caught:
-        await shm.fetch(0)
+        await shm.read(0)
     message = str(caught.value)
     assert "\n" not in message
     assert message.startswith(f"shm weights: no segments of run {shm.run}")
@@ -138,7 +138,7 @@ async def test_another_process_fetches_what_this_one_published_and_the_reverse(s
 
         async def main():
             transport = SharedMemoryTransport({shm.run!r}, keep=2)
-            assert_exact(await transport.fetch(3), sample_state(3))
+            assert_exact(await transport.read(3), sample_state(3))
             await transport.publish(4, sample_state(4), step=4)
             print("ok")
 
@@ -147,7 +147,7 @@ async def test_another_process_fetches_what_this_one_published_and_the_reverse(s
     )
     child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert child.returncode == 0 and child.stdout.strip() == "ok", child.stderr[-2000:]
-    assert_exact(await shm.fetch(4), sample_state(4))  # outlives the process that wrote it
+    assert_exact(await shm.read(4), sample_state(4))  # outlives the process that wrote it
 
 
 async def test_the_run_config_selects_the_shm_transport_on_a_bus(make_bus):
@@ -159,7 +159,7 @@ async def test_the_run_config_selects_the_shm_transport_on_a_bus(make_bus):
         for version in range(3):
             await transport.publish(version, sample_state(version), step=version)
         assert sorted(p.name for p in transport.dir.iterdir()) == ["v0.safetensors", "v2.safetensors"]
-        assert_exact(await transport.fetch(2), sample_state(2))
+        assert_exact(await transport.read(2), sample_state(2))
     finally:
         transport.remove_run()
     assert not transport.dir.exists()

@@ -55,9 +55,9 @@ def reader_script(settings_url: str, run: str, version: int, repeat: bool = True
     """A child that attaches to the run and fetches `version` until killed, printing `fetching` before each; with
     `repeat` off, it fetches once, prints `fetched` and waits (a broadcast reader then takes part in every round)."""
     fetches = (
-        f"while True:\n        print('fetching', flush=True)\n        await transport.fetch({version})"
+        f"while True:\n        print('fetching', flush=True)\n        await transport.read({version})"
         if repeat
-        else f"await transport.fetch({version})\n    print('fetched', flush=True)\n    await asyncio.Event().wait()"
+        else f"await transport.read({version})\n    print('fetched', flush=True)\n    await asyncio.Event().wait()"
     )
     return textwrap.dedent(
         f"""
@@ -82,25 +82,25 @@ async def test_a_published_version_comes_back_bit_for_bit(case):
     for version in (0, 1):
         announcement = await transport.publish(version, sample_state(version), step=version)
         assert announcement.version == version and announcement.size > 0
-    assert_exact(await transport.fetch(0), sample_state(0))
-    assert_exact(await transport.fetch(1), sample_state(1))
+    assert_exact(await transport.read(0), sample_state(0))
+    assert_exact(await transport.read(1), sample_state(1))
 
 
 async def test_a_version_expected_ahead_comes_back_bit_for_bit_and_a_wrong_guess_costs_nothing(case):
     _, _, transport = case
-    await transport.prefetch(1)  # the hint a rollout worker gives before the version exists
+    await transport.expect(1)  # the hint a rollout worker gives before the version exists
     await transport.publish(0, sample_state(0), step=0)
     await transport.publish(1, sample_state(1), step=1)
-    assert_exact(await transport.fetch(1), sample_state(1))
-    await transport.prefetch(5)  # never published: the fetch of another version is not held up
-    assert_exact(await asyncio.wait_for(transport.fetch(0), 30), sample_state(0))
+    assert_exact(await transport.read(1), sample_state(1))
+    await transport.expect(5)  # never published: the fetch of another version is not held up
+    assert_exact(await asyncio.wait_for(transport.read(0), 30), sample_state(0))
 
 
 async def test_a_version_never_published_is_a_one_line_blob_not_found(case):
     _, _, transport = case
     await transport.publish(0, sample_state(0), step=0)
     with pytest.raises(BlobNotFound) as caught:
-        await transport.fetch(7)
+        await transport.read(7)
     message = str(caught.value)
     assert "\n" not in message and "v7" in message, message
 
@@ -119,14 +119,14 @@ async def test_bytes_that_differ_from_what_was_published_are_refused(case):
         raw[read_header(raw)[1] + 5] ^= 0xFF
         path.write_bytes(raw)
     with pytest.raises(BlobCorrupt):
-        await transport.fetch(3)
+        await transport.read(3)
 
 
 async def test_readers_fetch_the_same_version_at_once(case):
     _, _, transport = case
     state = {"w": torch.randn(256, 1024), "b": torch.arange(4096, dtype=torch.int64)}
     await transport.publish(1, state, step=1)
-    fetched = await asyncio.gather(*(transport.fetch(1) for _ in range(4)))
+    fetched = await asyncio.gather(*(transport.read(1) for _ in range(4)))
     for got in fetched:
         assert_exact(got, state)
 
@@ -155,9 +155,9 @@ async def test_a_reader_killed_mid_fetch_leaves_nothing_that_blocks_the_next_pub
     assert child.returncode == -signal.SIGKILL
     for version in (2, 3, 4):  # reclaiming v1 (the killed reader's) included
         await transport.publish(version, sample_state(version), step=version)
-    assert_exact(await transport.fetch(4), sample_state(4))
+    assert_exact(await transport.read(4), sample_state(4))
     with pytest.raises(BlobNotFound):
-        await transport.fetch(1)
+        await transport.read(1)
 
 
 async def test_v0_and_the_newest_versions_are_kept_and_the_others_reclaimed(case):
@@ -165,10 +165,10 @@ async def test_v0_and_the_newest_versions_are_kept_and_the_others_reclaimed(case
     for version in range(6):
         await transport.publish(version, sample_state(version), step=version)
     for version in (0, 4, 5):
-        assert_exact(await transport.fetch(version), sample_state(version))
+        assert_exact(await transport.read(version), sample_state(version))
     for version in (1, 2, 3):
         with pytest.raises(BlobNotFound):
-            await transport.fetch(version)
+            await transport.read(version)
 
 
 @pytest.mark.parametrize("kind", ["filesystem", "shm"])

@@ -28,7 +28,7 @@ async def test_a_reader_has_every_chunk_before_the_upload_is_complete(make_bus, 
     bus = await make_bus()
     writer, reader = ObjectStoreTransport(bus), ObjectStoreTransport(bus)
     await writer.publish(0, big_state(0), step=0)
-    await reader.prefetch(1)
+    await reader.expect(1)
     _, follower = reader._follower
     chunks = math.ceil(len(to_bytes(big_state(1))) / bus.weights.chunk_size)
     assert chunks > 4
@@ -42,41 +42,41 @@ async def test_a_reader_has_every_chunk_before_the_upload_is_complete(make_bus, 
 
     monkeypatch.setattr(bus.weights.js, "publish", record_after_every_chunk_arrived)
     await writer.publish(1, big_state(1), step=1)
-    assert_exact(await reader.fetch(1), big_state(1))
+    assert_exact(await reader.read(1), big_state(1))
     assert reader.streamed == 1 and reader._follower is None
 
 
 async def test_a_cut_off_upload_is_left_behind_for_the_one_that_completes(make_bus):
     bus = await make_bus()
     writer, reader = ObjectStoreTransport(bus), ObjectStoreTransport(bus)
-    await reader.prefetch(2)
+    await reader.expect(2)
     dead = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bus.weights.bucket, obj="w2.cut0ff")
     for _ in range(3):  # a writer SIGKILLed after three chunks of version 2
         await bus.weights.js.publish(dead, b"x" * 1000)
     await until(lambda: len(reader._follower[1].chunks), lambda n: n == 3, 30, "the cut-off chunks followed")
     await writer.publish(2, big_state(2), step=2)  # its restarted successor publishes version 2 whole
-    assert_exact(await reader.fetch(2), big_state(2))
+    assert_exact(await reader.read(2), big_state(2))
     assert reader.streamed == 1
 
 
 async def test_a_reader_that_followed_another_version_fetches_as_usual(make_bus):
     bus = await make_bus()
     writer, reader = ObjectStoreTransport(bus), ObjectStoreTransport(bus)
-    await reader.prefetch(3)
+    await reader.expect(3)
     await writer.publish(1, big_state(1), step=1)
-    assert_exact(await asyncio.wait_for(reader.fetch(1), 30), big_state(1))
+    assert_exact(await asyncio.wait_for(reader.read(1), 30), big_state(1))
     assert reader.streamed == 0 and reader._follower is None
     await writer.publish(2, big_state(2), step=2)
-    await reader.prefetch(2)  # told after the upload: the stored chunks are replayed to it
-    assert_exact(await reader.fetch(2), big_state(2))
+    await reader.expect(2)  # told after the upload: the stored chunks are replayed to it
+    assert_exact(await reader.read(2), big_state(2))
     assert reader.streamed == 1
 
 
 async def test_stream_false_fetches_every_version_after_its_announcement(make_bus):
     bus = await make_bus(weights={"type": "object_store", "stream": False})
     writer, reader = make_transport(bus), make_transport(bus)
-    await reader.prefetch(1)
+    await reader.expect(1)
     assert reader._follower is None  # nothing followed, nothing downloaded ahead
     await writer.publish(1, big_state(1), step=1)
-    assert_exact(await reader.fetch(1), big_state(1))
+    assert_exact(await reader.read(1), big_state(1))
     assert reader.streamed == 0

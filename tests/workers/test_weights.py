@@ -21,12 +21,12 @@ async def test_the_configured_transport_publishes_fetches_and_prunes(kind, make_
         announcement = await transport.publish(version, state, step=version)
         assert announcement.version == version and announcement.size > 0
     for version in (0, 3, 4):  # v0 and the newest two stay
-        fetched = await transport.fetch(version)
+        fetched = await transport.read(version)
         assert fetched.keys() == states[version].keys()
         assert all(torch.equal(fetched[k], states[version][k]) for k in fetched)
     for version in (1, 2):
         with pytest.raises(BlobNotFound):
-            await transport.fetch(version)
+            await transport.read(version)
     if kind == "filesystem":
         assert sorted(p.name for p in (tmp_path / "shared" / bus.run).iterdir()) == [
             "v0.safetensors",

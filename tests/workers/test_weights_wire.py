@@ -33,10 +33,10 @@ async def test_a_delta_leaves_unchanged_tensors_behind_and_rebuilds_them_exactly
     sent = states(3)
     sizes = [(await writer.publish(v, s, step=v)).size for v, s in sent.items()]
     assert sizes[1] < sizes[0] / 2  # the 64x64 frozen tensor stays behind
-    raw = await writer.inner.fetch(2)
+    raw = await writer.inner.read(2)
     assert "frozen" not in raw and MANIFEST in raw
     for v in (2, 0, 1):  # a fresh reader fetches v0 itself the first time it needs it
-        got = await reader.fetch(v)
+        got = await reader.read(v)
         assert got.keys() == sent[v].keys()
         assert all(torch.equal(got[k], sent[v][k]) and got[k].dtype == sent[v][k].dtype for k in got)
 
@@ -48,7 +48,7 @@ async def test_the_bfloat16_wire_halves_float32_and_keeps_v0_exact(make_bus):
     full = (await transport.publish(0, sent[0], step=0)).size
     half = (await transport.publish(1, sent[1], step=1)).size
     assert half < 0.6 * full
-    v0, v1 = await transport.fetch(0), await transport.fetch(1)
+    v0, v1 = await transport.read(0), await transport.read(1)
     assert all(torch.equal(v0[k], sent[0][k]) for k in v0)
     assert v1["w"].dtype == torch.float32 and torch.equal(v1["w"], sent[1]["w"].to(torch.bfloat16).float())
     assert torch.equal(v1["steps"], sent[1]["steps"])  # integers travel as they are
@@ -62,10 +62,10 @@ async def test_a_reader_with_another_runs_v0_refetches_it_and_a_real_mismatch_is
         await writer.publish(v, s, step=v)
     assert isinstance(reader, WireTransport)
     reader._remember_base({k: t + 1 for k, t in sent[0].items()})  # a stale copy of v0
-    got = await reader.fetch(1)
+    got = await reader.read(1)
     assert torch.equal(got["frozen"], sent[1]["frozen"])  # caught by digest, v0 fetched again
     # v0 in the run no longer matches what v1 was built against: refused, never loaded
     await writer.inner.publish(0, {k: t * 2 for k, t in sent[0].items()}, step=0)
     fresh = make_transport(bus)
     with pytest.raises(WeightsBaseMismatch, match="frozen does not match its digest"):
-        await fresh.fetch(1)
+        await fresh.read(1)

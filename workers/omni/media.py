@@ -30,7 +30,7 @@ from workers.omni.inputs import MediaInputs
 FRAMES_MIME = "video/x-npy-frames"
 """A clip as the bytes of `np.save(frames)`, frames uint8 [T, H, W, 3]: video without a container decoder."""
 
-Fetch = Callable[[MediaRef], bytes]
+MediaReader = Callable[[MediaRef], bytes]
 """Reads a referenced payload (an object-store digest or a URI) into bytes."""
 
 
@@ -120,7 +120,7 @@ def decode_parts(
     parts: Sequence[Part],
     tokenizer: Any,
     sample_rate: int = 16000,
-    fetch: Fetch | None = None,
+    read: MediaReader | None = None,
     limits: MediaLimits = MediaLimits(),
 ) -> PromptMedia:
     """Decode a prompt's parts and write its text: bos, then each part in order (media as its placeholder)."""
@@ -132,13 +132,13 @@ def decode_parts(
         if isinstance(part, TextPart):
             out.text += part.text
         elif isinstance(part, ImagePart):
-            out.images.append(decode_image(_payload(part, fetch), limits))
+            out.images.append(decode_image(_payload(part, read), limits))
             out.text += tokenizer.vision_bos_token + tokenizer.image_token + tokenizer.vision_eos_token
         elif isinstance(part, AudioPart):
-            out.audios.append(decode_audio(_payload(part, fetch), sample_rate, limits))
+            out.audios.append(decode_audio(_payload(part, read), sample_rate, limits))
             out.text += tokenizer.audio_bos_token + tokenizer.audio_token + tokenizer.audio_eos_token
         elif isinstance(part, VideoPart):
-            out.videos.append(decode_video(_payload(part, fetch), part.mime, limits))
+            out.videos.append(decode_video(_payload(part, read), part.mime, limits))
             out.text += tokenizer.vision_bos_token + tokenizer.video_token + tokenizer.vision_eos_token
             out.fps = part.fps if part.fps is not None else out.fps
     return out
@@ -171,13 +171,13 @@ def processor_inputs(processor: Any, prompt: PromptMedia) -> MediaInputs:
     return out
 
 
-def _payload(part: ImagePart | AudioPart | VideoPart, fetch: Fetch | None) -> bytes:
-    """The part's bytes: inline, or read through `fetch` from its reference."""
+def _payload(part: ImagePart | AudioPart | VideoPart, read: MediaReader | None) -> bytes:
+    """The part's bytes: inline, or read through `read` from its reference."""
     if part.inline is not None:
         return part.inline
-    if fetch is None or part.ref is None:
+    if read is None or part.ref is None:
         raise MediaError(f"{part.type} part refers to {part.ref} but no media store reader was given")
-    return fetch(part.ref)
+    return read(part.ref)
 
 
 def _check_pixels(width: int, height: int, limits: MediaLimits, what: str) -> None:

@@ -33,7 +33,7 @@ class MediaPrompter:
         started = time.perf_counter()
         held = payloads or {}
 
-        def fetch(ref: MediaRef) -> bytes:
+        def read(ref: MediaRef) -> bytes:
             if ref in held:
                 return held[ref]
             if ref.uri is not None:
@@ -41,7 +41,7 @@ class MediaPrompter:
             raise MediaError(f"media {ref.digest} was not read before decoding")
 
         try:
-            decoded = decode_parts(parts, self.tokenizer, self.sample_rate, fetch, self.limits)
+            decoded = decode_parts(parts, self.tokenizer, self.sample_rate, read, self.limits)
             return processor_inputs(self.processor, decoded)
         except MediaError:
             raise

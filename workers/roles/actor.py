@@ -176,7 +176,7 @@ class Actor:
             return
         if self.revision:
             # A previous actor published v0 but died before its first checkpoint: start from those weights.
-            state = await self.transport.fetch(0)
+            state = await self.transport.read(0)
             await asyncio.to_thread(self.trainer.load_full, state)
             self.state.version = current
             await self.worker.rewind(1)

@@ -61,7 +61,7 @@ async def reference_worker(bus: Bus, cache_dir: Path, options: WorkerOptions | N
     log.info("reference_waiting_for_v0")
     await tracker.wait_for(0)  # the actor publishes v0 after its warm-up
     await tracker.stop()
-    state = await make_transport(bus).fetch(0)
+    state = await make_transport(bus).read(0)
     model.load_state_dict(state)
     model.eval()
     log.info("reference_ready", model=str(model_dir))

@@ -115,7 +115,7 @@ class Rollout:
         if target <= self.engine.version:
             return 0.0
         try:
-            state = await self.transport.fetch(target)
+            state = await self.transport.read(target)
         except BlobNotFound as err:
             raise Retry(1.0, f"weights v{target} not found: {err}") from None
         await asyncio.to_thread(self.engine.load_state_dict, state, target)
@@ -129,9 +129,9 @@ class Rollout:
         """Tell the transport which version this worker will load next: every engine call loads the newest one
         (`sync_weights`), so while calls come faster than versions, that is the next one published."""
         try:
-            await self.transport.prefetch(loaded + 1)
+            await self.transport.expect(loaded + 1)
         except Exception as err:  # tolerated: a hint; that version is then fetched once announced, as usual
-            log.warning("weights_prefetch_failed", version=loaded + 1, error=f"{type(err).__name__}: {err}")
+            log.warning("weights_expect_failed", version=loaded + 1, error=f"{type(err).__name__}: {err}")
 
     async def _batches(self) -> None:
         while True:

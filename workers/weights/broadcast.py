@@ -19,7 +19,7 @@ that starts with the run joins at v1 (read from the store). What a member costs:
 makes that round fail for everyone after `timeout_s`, and every member then reads that version from the object
 store, as does a reader that joined after the round began or missed it; a new trainer (after a crash) opens a new
 store and readers follow the KV key to it.
-`fetch(v)` returns the broadcast copy when this reader received `v` (it waits for a round of `v` still in
+`read(v)` returns the broadcast copy when this reader received `v` (it waits for a round of `v` still in
 flight), and the object store's otherwise. The data plane carries no authentication: use it on a network where
 every host that can reach the store's port is trusted (docs/engines.md).
 """
@@ -293,7 +293,7 @@ class BroadcastTransport:
         )
         return announcement.model_copy(update={"transport": "broadcast"})
 
-    async def fetch(self, version: int) -> StateDict:
+    async def read(self, version: int) -> StateDict:
         receiver = await self._join() if version > 0 else None  # v0 alone (reference, a restart): no need to join
         if receiver is not None:
             state = await asyncio.to_thread(receiver.take, version)
@@ -301,9 +301,9 @@ class BroadcastTransport:
                 self.received += 1
                 log.info("weights_broadcast_received", version=version)
                 return state
-        return await self.fallback.fetch(version)
+        return await self.fallback.read(version)
 
-    async def prefetch(self, version: int) -> None:
+    async def expect(self, version: int) -> None:
         """Nothing to start early: a member gets the version in its round, and following the object store's
         upload as well would download every version twice."""
 

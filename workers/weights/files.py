@@ -99,7 +99,7 @@ class FilesystemTransport:
     async def publish(self, version: int, state: StateDict, step: int) -> WeightsAnnouncement:
         return await publish_file(self.dir, self.run, self.keep, "filesystem", version, state, step)
 
-    async def fetch(self, version: int) -> StateDict:
+    async def read(self, version: int) -> StateDict:
         path = self.dir / f"v{version}.safetensors"
         try:
             data = await asyncio.to_thread(read_whole, path)
@@ -112,7 +112,7 @@ class FilesystemTransport:
             await asyncio.to_thread(check_digest, data, f"filesystem weights {path}")
         return from_buffer(data)
 
-    async def prefetch(self, version: int) -> None:
+    async def expect(self, version: int) -> None:
         """Nothing to start early: a version's file appears whole, at its rename."""
 
 
@@ -153,7 +153,7 @@ class SharedMemoryTransport:
             private_dir(folder)
         return await publish_file(self.dir, self.run, self.keep, "shm", version, state, step)
 
-    async def fetch(self, version: int) -> StateDict:
+    async def read(self, version: int) -> StateDict:
         path = self.dir / f"v{version}.safetensors"
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -169,7 +169,7 @@ class SharedMemoryTransport:
             await asyncio.to_thread(check_digest, mapped, f"shm weights {path}")
         return from_buffer(mapped)
 
-    async def prefetch(self, version: int) -> None:
+    async def expect(self, version: int) -> None:
         """Nothing to start early: a version's segment appears whole, at its rename."""
 
     def remove_run(self) -> None:

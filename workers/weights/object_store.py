@@ -28,8 +28,8 @@ class ObjectStoreTransport:
     """Weights as objects `v<version>` in the run's weights store; keeps v0 and the newest `keep`.
 
     Streamed: each upload of version v is named `w<v>.<id>` (`BlobStore.put`'s nuid), so a reader told to
-    `prefetch(v)` follows its chunks as they are stored (`relax_bus.blob_follow`) while the trainer is still
-    uploading; `fetch(v)`, called once v is announced, then only waits for the last chunks and checks the
+    `expect(v)` follows its chunks as they are stored (`relax_bus.blob_follow`) while the trainer is still
+    uploading; `read(v)`, called once v is announced, then only waits for the last chunks and checks the
     digest. A reader that followed nothing, or another upload, fetches as usual. It costs the reader a second
     copy of the weights in memory (the version it generates with and the one arriving), and a download of
     every version it was told to expect, used or not (`weights.stream: false` turns it off).
@@ -39,7 +39,7 @@ class ObjectStoreTransport:
         self.bus = bus
         self.keep = bus.config.bus.weights_keep
         self.stream = stream
-        """Follow the upload of a version `prefetch` names (`weights.stream`); without it `prefetch` does nothing."""
+        """Follow the upload of a version `expect` names (`weights.stream`); without it `expect` does nothing."""
         self._follower: tuple[int, ChunkFollower] | None = None
         self.streamed = 0
         """Versions this reader took from a followed upload (the rest were fetched after their announcement)."""
@@ -64,7 +64,7 @@ class ObjectStoreTransport:
             digest=None,
         )
 
-    async def prefetch(self, version: int) -> None:
+    async def expect(self, version: int) -> None:
         if not self.stream or (self._follower is not None and self._follower[0] == version):
             return
         await self._unfollow()
@@ -72,7 +72,7 @@ class ObjectStoreTransport:
         await follower.start()
         self._follower = (version, follower)
 
-    async def fetch(self, version: int) -> StateDict:
+    async def read(self, version: int) -> StateDict:
         started = time.perf_counter()
         name = f"v{version}"
         try:

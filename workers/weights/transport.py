@@ -16,7 +16,7 @@ class WeightTransport(Protocol):
 
     async def publish(self, version: int, state: StateDict, step: int) -> WeightsAnnouncement: ...
 
-    async def fetch(self, version: int) -> StateDict: ...
+    async def read(self, version: int) -> StateDict: ...
 
-    async def prefetch(self, version: int) -> None:
-        """A hint: `version` is the one this reader expects to fetch next (a transport may start on it now)."""
+    async def expect(self, version: int) -> None:
+        """A hint: `version` is the one this reader expects to read next (a transport may start on it now)."""

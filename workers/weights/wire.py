@@ -57,7 +57,7 @@ class WireTransport:
             await asyncio.to_thread(self._remember_base, state, False)  # the publisher compares digests only
             return await self.inner.publish(0, state, step)
         if self.delta and self._base_digests is None:  # a restarted trainer: v0 is in the run, not in memory
-            await asyncio.to_thread(self._remember_base, await self.inner.fetch(0), False)
+            await asyncio.to_thread(self._remember_base, await self.inner.read(0), False)
         wire = await asyncio.to_thread(self._wire_form, state)  # hashing a real model takes seconds: off the loop
         announcement = await self.inner.publish(version, wire, step)
         log.debug("weights_wire", version=version, sent=len(wire) - 1, left_behind=len(state) - len(wire) + 1)
@@ -76,11 +76,11 @@ class WireTransport:
         wire[MANIFEST] = torch.frombuffer(bytearray(json.dumps(manifest).encode()), dtype=torch.uint8)
         return wire
 
-    async def prefetch(self, version: int) -> None:
-        await self.inner.prefetch(version)
+    async def expect(self, version: int) -> None:
+        await self.inner.expect(version)
 
-    async def fetch(self, version: int) -> StateDict:
-        got = await self.inner.fetch(version)
+    async def read(self, version: int) -> StateDict:
+        got = await self.inner.read(version)
         if version == 0 or MANIFEST not in got:
             if version == 0:
                 await asyncio.to_thread(self._remember_base, got)
@@ -90,7 +90,7 @@ class WireTransport:
             return await asyncio.to_thread(self._rebuild, version, got, manifest)
         except WeightsBaseMismatch as err:  # no v0 yet, or one that is not the run's: fetch it once more
             log.info("weights_base_fetched", version=version, reason=str(err))
-            await asyncio.to_thread(self._remember_base, await self.inner.fetch(0))
+            await asyncio.to_thread(self._remember_base, await self.inner.read(0))
             return await asyncio.to_thread(self._rebuild, version, got, manifest)
 
     def _rebuild(self, version: int, got: StateDict, manifest: dict[str, dict[str, Any]]) -> StateDict:
