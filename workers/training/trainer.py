@@ -24,8 +24,8 @@ What varies with the config is chosen once, when the trainer is built, so the st
 
 The PPO ratio exp(logp - logp_old) is 1 in the first update and moves from the second on, where the
 clip binds; the off-policy gap between the trainer's old policy and the rollout engine's policy is
-corrected by `trainer.correction` (by default the truncated importance weight exp(logp_old - logp_rollout),
-capped at its `high`; docs/algorithms.md lists the losses and corrections). A published
+corrected by `trainer.correction` (by default icepop: the importance weight exp(logp_old - logp_rollout) where
+it lies within [low, high], 0 outside; docs/algorithms.md lists the losses and corrections). A published
 policy version is one trainer step: all of its updates.
 
 With `trainer.distributed.nproc > 1` every rank runs this same code under torchrun: the model is sharded with
