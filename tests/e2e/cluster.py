@@ -28,7 +28,8 @@ from workers.roles.feeder import group_id_for
 
 
 def small_config(run: str, **overrides: Any) -> dict[str, Any]:
-    """A run that takes seconds: 4 groups x 4 samples per step, no warm-up, checkpoints every 2 steps."""
+    """A run that takes seconds: 4 groups x 4 samples per step, no warm-up, checkpoints every 2 steps; nested
+    sections of `overrides` merge over these at every depth."""
     data: dict[str, Any] = {
         "run": run,
         "groups_per_step": 4,
@@ -40,12 +41,19 @@ def small_config(run: str, **overrides: Any) -> dict[str, Any]:
         "trainer": {"steps": 8, "optim": {"lr": 1e-3}, "checkpoint": {"every": 2}, "warmup": {"max_steps": 0}},
         "bus": {"ack_wait_s": 4, "heartbeat_ttl_s": 3, "duplicate_window_s": 600},
     }
+    return merged(data, overrides)
+
+
+def merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `overrides` laid over it, section by section at every depth (`trainer.checkpoint.dir` keeps
+    `trainer.checkpoint.every`)."""
+    out = dict(base)
     for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(data.get(key), dict):
-            data[key] = {**data[key], **value}
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
         else:
-            data[key] = value
-    return data
+            out[key] = value
+    return out
 
 
 def role_events(role: RoleProcess, name: str) -> list[dict[str, Any]]:
