@@ -87,7 +87,7 @@ def test_relax_run_starts_one_torchrun_agent_per_node_at_one_rendezvous(tmp_path
 @pytest.mark.unit
 def test_a_node_needs_an_endpoint_and_keeps_its_arguments():
     config = parse_config(small_config(run_id(), trainer={"distributed": {"nnodes": 2}}))
-    with pytest.raises(ConfigError, match=r"trainer\.rdzv_endpoint"):
+    with pytest.raises(ConfigError, match=r"trainer\.distributed\.rdzv_endpoint"):
         launcher(config, 1, 2, None)
     args = worker_arguments(["--log-level", "info", "worker", "actor", "--run", "r1", "--work-dir", "w"])
     assert args == ["worker", "actor", "--log-level", "info", "--run-id", "r1", "--work-dir", "w"]
@@ -125,7 +125,7 @@ async def test_trainer_on_two_nodes_trains_a_run_through_one_c10d_rendezvous(nat
     `relax-run-agents`: no endpoint, the torchrun agents `relax run` starts on one machine."""
     trainer: dict[str, Any] = {"steps": 4, "distributed": {"nnodes": 2}}
     if start == "relax-worker-on-each-node":
-        trainer["rdzv_endpoint"] = f"127.0.0.1:{free_port()}"
+        trainer["distributed"]["rdzv_endpoint"] = f"127.0.0.1:{free_port()}"
     config = parse_config(small_config(run_id(), trainer=trainer))
     url, work = nats_server.url, tmp_path / "cache"
     nc = await connect(ConnectionSettings(nats_url=[url]), name="e2e")

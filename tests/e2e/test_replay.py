@@ -26,7 +26,7 @@ LENGTH = {"type": "python", "options": {"function": "tests.workers.reward_fns:le
 async def test_replay_reproduces_the_logged_loss(nats_server, tmp_path, sharded):
     trainer = {"steps": 6, "checkpoint": {"every": 2, "keep": 2}, "kl": {"coef": 0.05}}
     if sharded:
-        trainer["checkpoint_dir"] = str(tmp_path / "checkpoints")
+        trainer["checkpoint"]["dir"] = str(tmp_path / "checkpoints")
     config = parse_config(
         small_config(run_id(), rollout={"max_new_tokens": 6, "batch_groups": 4}, rewards=[LENGTH], trainer=trainer)
     )
