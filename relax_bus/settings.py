@@ -310,7 +310,7 @@ C = TypeVar("C", bound=RunConfig, default=RunConfig)
 
 def incompatible_changes(old: RunConfig, new: RunConfig) -> list[str]:
     """Dotted names of settings that differ between `old` and `new` and may not change in a live run."""
-    a, b = _flatten(old.model_dump()), _flatten(new.model_dump())
+    a, b = flattened(old.model_dump()), flattened(new.model_dump())
     return [
         f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
         for k in sorted(a.keys() | b.keys())
@@ -318,11 +318,12 @@ def incompatible_changes(old: RunConfig, new: RunConfig) -> list[str]:
     ]
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flattened(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as dotted keys: `{"trainer": {"optim": {"lr": 1}}}` -> `{"trainer.optim.lr": 1}`."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flattened(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out

@@ -3,7 +3,7 @@
 import pytest
 
 from relax_bus.errors import ConfigError
-from relax_bus.settings import incompatible_changes
+from relax_bus.settings import flattened, incompatible_changes
 from workers.config import PipelineConfig, parse_config
 from workers.config.trainer import MOVED
 
@@ -70,7 +70,7 @@ def test_nested_sections_take_the_settings():
 
 
 def test_tunable_keys_name_existing_settings_and_checkpoint_cadence_may_change():
-    flat = set(_flatten(parse_config({"run": "r"}).model_dump()))
+    flat = set(flattened(parse_config({"run": "r"}).model_dump()))
     for key in PipelineConfig.tunable - {"hops"}:
         assert key in flat, key
     old = parse_config({"run": "r"})
@@ -78,13 +78,3 @@ def test_tunable_keys_name_existing_settings_and_checkpoint_cadence_may_change()
     assert incompatible_changes(old, new) == []
     lr = parse_config({"run": "r", "trainer": {"optim": {"lr": 1e-3}}})
     assert incompatible_changes(old, lr) == ["trainer.optim.lr: 0.0005 -> 0.001"]
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out: dict = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
