@@ -22,15 +22,16 @@ and the restarted actor resumes from its checkpoint.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from relax_bus.errors import ConfigError
 from relax_bus.log import get_logger
-from workers.data.tasks import TaskItem
 from workers.training.trainer import PolicyTrainer
-from workers.training.warmup import run_warmup
+
+if TYPE_CHECKING:
+    from workers.data.tasks import TaskItem
 
 log = get_logger(__name__)
 
@@ -46,7 +47,7 @@ MIRRORED: dict[str, Callable[..., Any]] = {
     "step": lambda trainer, *args: trainer.step(*args),
     "full_state": lambda trainer: trainer.full_state(),
     "load_full": lambda trainer, state: trainer.load_full(state),
-    "warmup": run_warmup,
+    "warmup": lambda trainer, items: _run_warmup(trainer, items),
     **{
         CHECKPOINTS + name: _checkpoint_call(name)
         for name in ("to_bytes", "state", "restore", "save_sharded", "restore_sharded", "restore_recorded")
@@ -125,6 +126,14 @@ def warm_up(trainer: PolicyTrainer | DrivenTrainer, items: Sequence[TaskItem]) -
     if isinstance(trainer, DrivenTrainer):
         info: dict[str, float] = trainer.mirror("warmup", items)
         return info
+    return _run_warmup(trainer, items)
+
+
+def _run_warmup(trainer: PolicyTrainer, items: Sequence[TaskItem]) -> dict[str, float]:
+    # Imported when a warm-up runs: its task and media modules pull in the NATS client, which a rank that only
+    # mirrors steps never needs.
+    from workers.training.warmup import run_warmup
+
     return run_warmup(trainer, items)
 
 

@@ -130,3 +130,29 @@ def kl_penalty(logp: Tensor, logp_ref: Tensor, mask: Tensor, kind: str = "k3") -
     valid = valid_of(mask)
     log_ratio = masked(logp_ref.detach(), valid) - masked(logp, valid)  # [B, T], 0 on padding
     return masked(estimator(log_ratio), valid)
+
+
+class KlTerm:
+    """The loss's KL term: `coef` x KL(pi || pi_ref) per token (`kind`), aggregated like the policy loss.
+
+    Called with the micro-batch's loss, it returns the loss with the term added and the term's value as `kl`;
+    a batch without the reference's log-probs is returned unchanged. A run whose `trainer.kl.coef` is 0 uses
+    `no_kl` instead (chosen once, when the trainer is built)."""
+
+    def __init__(self, coef: float, kind: str, aggregation: str) -> None:
+        self.coef, self.kind, self.aggregation = coef, kind, aggregation
+
+    def __call__(
+        self, loss: Tensor, logp: Tensor, ref_logp: Tensor | None, mask: Tensor, normalizer: float | None
+    ) -> tuple[Tensor, dict[str, float]]:
+        if ref_logp is None:
+            return loss, {}
+        kl = aggregate(kl_penalty(logp, ref_logp, mask, self.kind), mask, self.aggregation, normalizer)
+        return loss + self.coef * kl, {"kl": float(kl.detach())}
+
+
+def no_kl(
+    loss: Tensor, logp: Tensor, ref_logp: Tensor | None, mask: Tensor, normalizer: float | None
+) -> tuple[Tensor, dict[str, float]]:
+    """No KL term: the loss as it is."""
+    return loss, {}

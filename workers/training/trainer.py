@@ -54,7 +54,7 @@ from workers.training.advantages import group_advantages, shaped_rewards
 from workers.training.batch import Batch, make_batch, stale_masked, untrainable
 from workers.training.devices import compute_dtype, resolve_device
 from workers.training.forward import forward_for
-from workers.training.losses import aggregate, kl_penalty, normalizer_of
+from workers.training.losses import KlTerm, no_kl, normalizer_of
 from workers.training.media_policy import load_policy
 from workers.training.microbatch import Plan, split_even
 from workers.training.optim import make_optimizer, make_scheduler
@@ -106,6 +106,7 @@ class PolicyTrainer:
         )
         """How micro-batches become log-probs (`workers.training.forward`), chosen here once."""
         self.loss_settings = LossSettings.of(cfg)
+        self.kl_term = KlTerm(cfg.kl.coef, cfg.kl.kind, cfg.aggregation) if cfg.kl.coef > 0 else no_kl
         self.optimizer = make_optimizer(self.model, cfg.optim.lr, cfg.optim.weight_decay)
         updates = cfg.steps * cfg.updates_per_step
         self.scheduler = make_scheduler(
@@ -204,12 +205,8 @@ class PolicyTrainer:
     def _loss(
         self, mb: Batch, logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, normalizer: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """A micro-batch's share of the mini-batch's loss: the policy loss, plus `kl_coef` times the KL penalty
-        against the reference when one is in the chain (its value then in the metrics' `kl`)."""
-        cfg = self.cfg
+        """A micro-batch's share of the mini-batch's loss: the policy loss, plus the KL term against the reference
+        when the run has one (`trainer.kl.coef` > 0; its value then in the metrics' `kl`)."""
         loss, metrics = policy_loss(logp, logp_old, mb.rollout_logp, adv, mb.mask, self.loss_settings, normalizer)
-        if cfg.kl.coef > 0 and mb.ref_logp is not None:
-            kl = aggregate(kl_penalty(logp, mb.ref_logp, mb.mask, cfg.kl.kind), mb.mask, cfg.aggregation, normalizer)
-            metrics["kl"] = float(kl.detach())
-            loss = loss + cfg.kl.coef * kl
-        return loss, metrics
+        loss, kl = self.kl_term(loss, logp, mb.ref_logp, mb.mask, normalizer)
+        return loss, {**metrics, **kl}
