@@ -163,25 +163,28 @@ def render(root: Path = ROOT) -> dict[Path, str | None]:
 
 def differences(root: Path = ROOT) -> list[str]:
     """The generated files whose committed text differs from what the registry gives."""
-    stale = []
+    return list(_changed(root))
+
+
+def _changed(root: Path) -> dict[str, str | None]:
+    """Each generated file whose committed text differs, with the text it should have (None: delete it)."""
+    changed: dict[str, str | None] = {}
     for path, text in render(root).items():
         current = (root / path).read_text() if (root / path).exists() else None
         if current != text:
-            stale.append(str(path))
-    return stale
+            changed[str(path)] = text
+    return changed
 
 
 def write(root: Path = ROOT) -> list[str]:
     """Write the generated files; return the ones that changed."""
-    changed = differences(root)
-    for path, text in render(root).items():
-        if str(path) not in changed:
-            continue
+    changed = _changed(root)
+    for path, text in changed.items():
         if text is None:
             (root / path).unlink()
         else:
             (root / path).write_text(text)
-    return changed
+    return list(changed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,11 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.check:
         stale = differences()
-        for path in stale:
-            print(f"{path}: differs from the role registry; run `{COMMAND}`")
+        sys.stdout.writelines(f"{path}: differs from the role registry; run `{COMMAND}`\n" for path in stale)
         return 1 if stale else 0
-    for path in write():
-        print(f"wrote {path}")
+    sys.stdout.writelines(f"wrote {path}\n" for path in write())  # the command's own output, for its user
     return 0
 
 
