@@ -2,12 +2,14 @@
 
 A writer that names its uploads `<prefix>.<id>` (`BlobStore.put(..., nuid=...)`, a fresh id per attempt) lets
 a reader subscribe to the chunk subjects `$O.<bucket>.C.<prefix>.*` before the upload starts and receive each
-chunk as soon as it is stored, instead of after the object's info record is written. `ChunkFollower` keeps
-the chunks of the newest upload it has seen (another id, e.g. a writer restarted after a crash, starts it
-over), hashing them as they arrive. Once the object is complete (its info record read), `take(info)` waits
-for that upload's last chunk and returns the object in one buffer, verified against the record's digest.
-It returns None, and the caller fetches the object as usual, when the follower never saw that upload, when
-the chunks stop coming, or when they do not hash to the record: the record decides, never the stream.
+chunk soon after it is stored, instead of after the object's info record is written. It reads by direct get
+(roles create no consumers, `relax_bus.direct_get`), from the first stored chunk of any such upload on, asking
+again every `POLL_S` while nothing new is stored: a reader told late still gets the chunks stored before.
+`ChunkFollower` keeps the chunks of the newest upload it has seen (another id, e.g. a writer restarted after a
+crash, starts it over), hashing them as they arrive. Once the object is complete (its info record read),
+`take(info)` waits for that upload's last chunk and returns the object in one buffer, verified against the
+record's digest. It returns None, and the caller fetches the object as usual, when the follower never saw that
+upload, when the chunks stop coming, or when they do not hash to the record: the record decides, never the stream.
 """
 
 from __future__ import annotations
@@ -16,14 +18,19 @@ import asyncio
 import hashlib
 import mmap
 
-from nats.aio.msg import Msg
+import nats.errors
 from nats.js import JetStreamContext, api
 from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE
 
-from relax_bus.blobs import HASHER, matches_record
+from relax_bus.blobs import CHUNKS_PER_READ, HASHER, matches_record
+from relax_bus.cancel import cancel_and_wait
+from relax_bus.direct_get import read_batch
 from relax_bus.log import get_logger
 
 log = get_logger(__name__)
+
+POLL_S = 0.05
+"""How often a follower asks again while no new chunk is stored."""
 
 
 class ChunkFollower:
@@ -41,28 +48,35 @@ class ChunkFollower:
         self._sha = hashlib.sha256()
         self._hashed: list[asyncio.Future[None]] = []
         self._arrived = asyncio.Event()
-        self._sub: JetStreamContext.PushSubscription | None = None
+        self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """Subscribe (an ordered consumer from the first stored chunk of any such upload)."""
-        self._sub = await self.js.subscribe(
-            self.subject,
-            stream=self.stream,
-            ordered_consumer=True,
-            cb=self._on_chunk,
-            pending_bytes_limit=1 << 40,  # a whole object: its chunks are taken off the queue as they come
-            pending_msgs_limit=-1,
-        )
+        """Start reading the chunks stored from the first one of any such upload on, in the background."""
+        self._task = asyncio.create_task(self._read(), name=f"follow-{self.prefix}")
 
-    async def _on_chunk(self, msg: Msg) -> None:
-        if not msg.data:
+    async def _read(self) -> None:
+        nc, seq = self.js._nc, 1
+        while True:
+            got = 0
+            try:
+                async for stored in read_batch(nc, self.stream, self.subject, from_seq=seq, batch=CHUNKS_PER_READ):
+                    got += 1
+                    seq = stored.seq + 1
+                    self._on_chunk(stored.subject, stored.data)
+            except (nats.errors.Error, OSError) as err:
+                log.info("follow_read_failed", object=self.prefix, error=type(err).__name__)  # tolerated: again
+            if not got:
+                await asyncio.sleep(POLL_S)
+
+    def _on_chunk(self, subject: str, data: bytes) -> None:
+        if not data:
             return  # a rollup marker: the chunks of a failed or deleted upload were cleared
-        upload = msg.subject.removeprefix(OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=""))
+        upload = subject.removeprefix(OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=""))
         if upload != self.upload:
             self.upload, self.chunks, self._sha, self._hashed = upload, [], hashlib.sha256(), []
-        self.chunks.append(msg.data)
+        self.chunks.append(data)
         loop = asyncio.get_running_loop()
-        self._hashed.append(loop.run_in_executor(HASHER, self._sha.update, msg.data))
+        self._hashed.append(loop.run_in_executor(HASHER, self._sha.update, data))
         self._arrived.set()
 
     async def take(self, info: api.ObjectInfo, stall_s: float) -> memoryview | None:
@@ -93,11 +107,7 @@ class ChunkFollower:
         return buf
 
     async def close(self) -> None:
-        if self._sub is not None:
-            sub, self._sub = self._sub, None
-            try:
-                await sub.unsubscribe()
-            except Exception:  # tolerated: the subscription died with the connection
-                pass
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
         await asyncio.gather(*self._hashed, return_exceptions=True)
         self.chunks = []

@@ -4,7 +4,7 @@ Objects are written in the standard object-store layout (chunks on `$O.<bucket>.
 info record on `$O.<bucket>.M.<name>`), so `nats object ls/get` from the NATS CLI reads them too.
 Both directions are our own: the stock nats-py `get` concatenates bytes quadratically (~7 MiB/s at
 64 MiB) and the stock `put` waits for every chunk's ack in turn. Here chunks are published with a
-window of outstanding acks and read back through one ordered consumer, hashed as they arrive; a
+window of outstanding acks and read back by direct get (`relax_bus.direct_get`), hashed as they arrive; a
 reader that can view the bytes in place (the weights transport) gets them in one preallocated buffer.
 
 A store is bounded (`max_bytes`, discard=new): a put that does not fit fails with `PublishFailed`
@@ -36,12 +36,15 @@ from nats.js.object_store import (
     OBJ_STREAM_TEMPLATE,
 )
 
+from relax_bus.direct_get import last_per_subject, read_all
 from relax_bus.errors import AcksLost, BlobCorrupt, BlobNotFound, PublishFailed
 
 MAX_CHUNK = 1 << 20
 WINDOW = 16
 ACK_TIMEOUT_S = 10.0
 STORE_FULL = 10077  # JetStream err_code: maximum bytes exceeded (the store is bounded with discard=new)
+CHUNKS_PER_READ = 16
+"""Chunks asked for in one direct get: up to 16 MiB answered at once, the next request sent after them."""
 HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blob-sha256")
 """Where chunks are hashed: one thread, so the chunks of an object hash in order."""
 
@@ -82,11 +85,19 @@ class BlobStore:
         return None if info.deleted else info
 
     async def put_content(self, data: bytes) -> str:
-        """Store `data` under its own digest (a no-op when already there); return the digest."""
+        """Store `data` under its own digest (a no-op when the object there already holds it); return the digest.
+
+        An object found under the digest is read back and checked first: whoever may write the store could
+        have put other bytes under that name, and every reader of the digest would then be refused them."""
         sha = hashlib.sha256(data).digest()
         name = sha.hex()
-        if await self.info(name) is None:
-            await self.put(name, data, sha256=sha)
+        if await self.info(name) is not None:
+            try:
+                await self.get(name, sha256_hex=name)
+                return "sha256:" + name
+            except (BlobCorrupt, BlobNotFound):
+                pass  # not what its name says (or gone meanwhile): stored afresh below
+        await self.put(name, data, sha256=sha)
         return "sha256:" + name
 
     async def put(
@@ -198,28 +209,18 @@ class BlobStore:
         offset = 0
         if chunks:
             subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=info.nuid)
-            # Naming the stream saves a stream lookup (and the permission to list streams).
-            sub = await self.js.subscribe(
-                subject,
-                stream=self.stream,
-                ordered_consumer=True,
-                pending_bytes_limit=512 << 20,
-                pending_msgs_limit=1 << 20,
-            )
             try:
-                for _ in range(chunks):
-                    try:
-                        msg = await sub.next_msg(timeout=timeout_s)
-                    except nats.errors.TimeoutError:
-                        where = f"object {name!r} in {self.bucket}"
-                        raise BlobNotFound(f"{where}: chunks missing after {offset} bytes") from None
-                    offset += len(msg.data)
+                async for stored in read_all(
+                    self.js._nc, self.stream, subject, batch=CHUNKS_PER_READ, timeout_s=timeout_s
+                ):
+                    offset += len(stored.data)
                     if offset > size:
                         raise BlobCorrupt(f"object {name!r} in {self.bucket}: more than the {size} bytes recorded")
-                    hashed.append(loop.run_in_executor(HASHER, sha.update, msg.data))
-                    yield msg.data
+                    hashed.append(loop.run_in_executor(HASHER, sha.update, stored.data))
+                    yield stored.data
+            except nats.errors.TimeoutError:
+                raise BlobNotFound(f"object {name!r} in {self.bucket}: chunks missing after {offset} bytes") from None
             finally:
-                await sub.unsubscribe()
                 await asyncio.gather(*hashed, return_exceptions=True)
         if offset != size:
             raise BlobCorrupt(f"object {name!r} in {self.bucket}: got {offset} bytes, expected {size}")
@@ -250,11 +251,11 @@ class BlobStore:
 
     async def names(self) -> list[str]:
         """Names of the live objects in the bucket."""
-        try:
-            store = await self.js.object_store(self.bucket)
-            return [i.name for i in await store.list() if not i.deleted]
-        except nats.js.errors.NotFoundError:
-            return []
+        records = await last_per_subject(
+            self.js._nc, self.stream, OBJ_META_PRE_TEMPLATE.format(bucket=self.bucket, obj=">")
+        )
+        infos = (api.ObjectInfo.from_response(json.loads(r.data or b"{}")) for r in records)
+        return [i.name for i in infos if not i.deleted]
 
     async def clear_orphans(self) -> int:
         """Clear the chunks that no object's info record names and return how many uploads they were.

@@ -8,6 +8,7 @@ second (zombie) trainer cannot move the version under a live one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import nats.errors
@@ -60,44 +61,41 @@ class PolicyVersion:
     async def watch(self, poll_s: float = 2.0) -> AsyncIterator[int]:
         """Yield each new version, in increasing order, for as long as the caller iterates.
 
-        Survives reconnects and server restarts: the push watcher is recreated whenever it breaks,
-        and a `get()` every `poll_s` seconds catches any update a broken watcher missed.
+        Each write of the key is also published on its subject: a plain core-NATS subscription to it (not a
+        JetStream consumer: roles create none, `relax_bus.direct_get`) wakes the watcher, which then reads the
+        key itself, so what it yields is always the stored value, whoever published on the subject. A read
+        every `poll_s` seconds catches what the subscription misses (it is at most once, and deaf while the
+        connection is away); the subscription is made again after a connection error.
         """
         last = -1
+        subject = f"{self.kv._pre}{KEY}"  # nats-py keeps the bucket's subject prefix only here
+        woken = asyncio.Event()
+
+        async def wake(_: object) -> None:
+            woken.set()
+
         while True:
-            watcher = None
+            sub = None
             try:
-                watcher = await self.kv.watch(KEY)
+                sub = await self.kv._js._nc.subscribe(subject, cb=wake)
                 while True:
-                    try:
-                        entry = await watcher.updates(timeout=poll_s)  # type: ignore[no-untyped-call]
-                    except (nats.errors.TimeoutError, TimeoutError):
-                        entry = None
-                    missed = False
-                    if entry is not None and entry.value:
-                        value = int(entry.value)
-                    else:
-                        value, revision = await self.get()
-                        if revision == 0:
-                            continue  # nothing published yet
-                        # An update the push watcher never delivered: it went deaf (a server restart).
-                        missed = value > last >= 0
-                    if value > last:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(woken.wait(), poll_s)
+                    woken.clear()
+                    value, revision = await self.get()
+                    if revision and value > last:
                         last = value
                         yield value
-                    if missed:
-                        log.info("version_watch_rebuild", error="missed an update")
-                        break
             except (nats.errors.Error, OSError) as err:
-                # Tolerated: the connection is down or the watcher's consumer is gone; rebuild it.
+                if not is_transient(err) and not isinstance(err, nats.errors.ConnectionClosedError):
+                    raise
+                # Tolerated: the connection is down; read and subscribe again.
                 log.info("version_watch_rebuild", error=type(err).__name__)
                 await asyncio.sleep(0.5)
             finally:
-                if watcher is not None:
-                    try:
-                        await watcher.stop()  # type: ignore[no-untyped-call]
-                    except Exception:  # the subscription may already be gone with its connection
-                        pass
+                if sub is not None:
+                    with contextlib.suppress(Exception):  # the subscription may be gone with its connection
+                        await sub.unsubscribe()
 
 
 class VersionTracker:

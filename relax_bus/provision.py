@@ -55,6 +55,7 @@ def _stream_config(s: StreamSpec) -> api.StreamConfig:
         duplicate_window=s.duplicate_window_s,
         storage=api.StorageType.FILE if s.storage == "file" else api.StorageType.MEMORY,
         num_replicas=s.replicas,
+        allow_direct=True,  # roles read by direct get, never through a consumer of their own
     )
 
 
@@ -109,7 +110,10 @@ async def _apply_stream(js: JetStreamContext, t: Topology, s: StreamSpec, report
     for what, old, new in fixed:
         if old != new:
             raise TopologyConflict(f"stream {s.name} exists with {what} {old}, the config asks for {new}")
-    limits = ("max_msgs", "max_bytes", "max_age", "max_msg_size", "discard", "duplicate_window", "num_replicas")
+    limits = (
+        *("max_msgs", "max_bytes", "max_age", "max_msg_size", "discard", "duplicate_window", "num_replicas"),
+        "allow_direct",
+    )
     if all(
         _close(getattr(have, k), getattr(want, k)) if k != "discard" else have.discard == want.discard for k in limits
     ):

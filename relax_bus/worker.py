@@ -77,7 +77,7 @@ class Worker(Loop, Generic[In]):
         reaper = None
         if self.role.grants.reaps:
             reaper = await self.bus.nc.subscribe(
-                f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.stream.name}.{self.consumer.durable}",
+                self._advisory_subject,
                 queue=f"relax-reaper-{self.consumer.durable}",
                 cb=self._reap,
             )
@@ -269,20 +269,34 @@ class Worker(Loop, Generic[In]):
         if await dead_letter(self.bus, msg, reason, self.consumer.durable):
             self.counters.dead_lettered += 1
 
+    @property
+    def _advisory_subject(self) -> str:
+        return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.stream.name}.{self.consumer.durable}"
+
     async def _reap(self, advisory: Msg) -> None:
         """Dead-letter a message whose last delivery was never settled (its worker crashed or hung).
 
         The server stops redelivering such a message but keeps it in the work queue; one worker of the
-        role (a queue group) moves it to the dead-letter subject and deletes it from the stream.
+        role (a queue group) moves it to the dead-letter subject and deletes it from the stream. Only the
+        server publishes advisories (no role may publish on `$JS.EVENT`, nor create a consumer that would
+        deliver there); even so the advisory must name this durable, on its own subject, past its
+        `max_deliver`, and the message must be one of this hop's.
         """
         try:
             info = json.loads(advisory.data)
             seq, deliveries = int(info["stream_seq"]), int(info.get("deliveries", 0))
+            ours = (info.get("stream"), info.get("consumer")) == (self.stream.name, self.consumer.durable)
+            if advisory.subject != self._advisory_subject or not ours or deliveries < self.consumer.max_deliver:
+                log.warning("advisory_refused", subject=advisory.subject, advisory=advisory.data[:200])
+                return
             raw = await self.bus.js.get_msg(self.stream.name, seq)
-        except (ValueError, KeyError, nats.js.errors.NotFoundError):
+        except (ValueError, KeyError, TypeError, AttributeError, nats.js.errors.NotFoundError):
             return  # tolerated: unreadable advisory, or the message was settled meanwhile
         except nats.errors.Error as err:
             log.warning("reap_failed", seq=advisory.data[:80], error=str(err))
+            return
+        if raw.subject != self.stream.subject:
+            log.warning("advisory_refused", seq=seq, why=f"message under {raw.subject}, not the hop's subject")
             return
         reason = f"not settled after {deliveries} deliveries (its worker crashed, hung or was stopped)"
         letter = DeadLetter(

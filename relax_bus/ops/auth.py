@@ -11,8 +11,12 @@ checked against the copy stored under its id. Two users exist besides the roles:
     admin      every JetStream call on the run's streams, consumers, buckets and stores
     observer   read-only: stream and consumer info, KV, dead letters, events (`relax inspect`)
 
-Only the admin creates, updates or deletes streams and durable consumers; the others may create
-only the ephemeral ordered consumers that read object chunks and watch KV keys, on those buckets.
+Only the admin creates, updates or deletes streams and consumers. No other user may create a consumer of any
+kind: a push consumer delivers to whatever subject its creator names, API and advisory subjects included,
+whatever that user may publish (nats-server does not check it), so one stolen credential could reset another
+role's durable or forge a server advisory. Roles consume through the durables the admin made for them and read
+everything else (object chunks, KV entries, events, dead letters) by direct get (`relax_bus.direct_get`); a
+plain core-NATS subscription to the policy version's key wakes its readers early.
 Replies arrive under a per-user inbox prefix (`_INBOX.<user>`), so no user reads another's replies.
 """
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from relax_bus.staleness import POLICY_VERSION
 from relax_bus.topology import Topology
 
 API = "$JS.API"
@@ -88,14 +93,14 @@ def permissions(topology: Topology, role: str) -> Permissions:
         if g.resets_consumer:
             pub.append(f"{API}.CONSUMER.RESET.{stream}.{durable}")
     if g.watches_version:
-        pub += _ordered_reader(f"KV_{state}")
+        sub.append(f"$KV.{state}.{POLICY_VERSION}")  # a wake-up only: the value is read from the bucket
     if g.reads_weights:
         pub += _reads_store(weights)
     if g.reads_dead_letters:
-        pub += _ordered_reader(t.stream("dlq").name)
+        pub += _direct_reader(t.stream("dlq").name)
     if g.writes_weights:
         # The stream's info: its subjects, to find the chunks of an upload a crash cut off (`clear_orphans`).
-        pub += [f"$O.{weights}.>", f"{API}.STREAM.PURGE.OBJ_{weights}", f"{API}.STREAM.INFO.OBJ_{weights}"]
+        pub += [f"$O.{weights}.>", f"{API}.STREAM.PURGE.OBJ_{weights}", *_reads_store(weights)]
     if g.observes:
         pub += _infos(t)
     return Permissions(tuple(dict.fromkeys(pub)), tuple(dict.fromkeys(sub)))
@@ -107,14 +112,14 @@ def _reads_kv(bucket: str) -> list[str]:
     return [f"{API}.STREAM.INFO.{s}", f"{API}.STREAM.MSG.GET.{s}", f"{API}.DIRECT.GET.{s}", f"{API}.DIRECT.GET.{s}.>"]
 
 
-def _ordered_reader(stream: str) -> list[str]:
-    """An ordered consumer: ephemeral create (no durable name in this API form), its info, flow control."""
-    return [f"{API}.CONSUMER.CREATE.{stream}", f"{API}.CONSUMER.INFO.{stream}.*", f"$JS.FC.{stream}.>"]
+def _direct_reader(stream: str) -> list[str]:
+    """Read a stream's messages by direct get (`relax_bus.direct_get`), its info and single messages."""
+    return [f"{API}.STREAM.INFO.{stream}", f"{API}.STREAM.MSG.GET.{stream}", f"{API}.DIRECT.GET.{stream}"]
 
 
 def _reads_store(store: str) -> list[str]:
-    """Read objects: the info record by subject, then the chunks through an ordered consumer."""
-    return [f"{API}.STREAM.MSG.GET.OBJ_{store}", *_ordered_reader(f"OBJ_{store}")]
+    """Read objects: the info record by subject, the chunks by direct get."""
+    return _direct_reader(f"OBJ_{store}")
 
 
 def _streams(t: Topology) -> list[str]:
@@ -150,8 +155,7 @@ def _observer(t: Topology, inbox: str) -> Permissions:
     """Look, never touch: what `relax inspect` reads, plus following the events and dead letters."""
     pub = _infos(t)
     for b in t.buckets:
-        pub += [*_reads_kv(b.name), *_ordered_reader(f"KV_{b.name}")]
+        pub += _reads_kv(b.name)
     for key in ("dlq", "events"):
-        name = t.stream(key).name
-        pub += [f"{API}.STREAM.MSG.GET.{name}", *_ordered_reader(name)]
+        pub += _direct_reader(t.stream(key).name)
     return Permissions(tuple(dict.fromkeys(pub)), (inbox,))

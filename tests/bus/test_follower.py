@@ -92,22 +92,22 @@ async def test_an_ordered_follower_starts_at_a_sequence_acks_nothing_and_passes_
     assert info.num_pending == 5 and info.ack_floor.stream_seq == 0, "the role's durable is untouched"
 
 
-async def test_an_ordered_follower_subscribes_again_after_a_reconnect_without_repeating_itself(bus):
-    reconnected = asyncio.Event()
-    follower = Follower.ordered(bus, "events", reconnected=reconnected)
+async def test_an_ordered_follower_reads_by_direct_get_in_batches_without_a_consumer(bus):
+    follower = Follower.ordered(bus, "events", batch=2)
     async with follower.reading():
-        await publish_events(bus, [1, 2])
+        await publish_events(bus, [1, 2, 3, 4, 5])
         got: list[Followed] = []
-        while len(got) < 2:
-            got += await follower.next_batch(timeout_s=2)
-        await publish_events(bus, [3])
-        await until(lambda: follower._received_seq, lambda s: s == 3, 10, "event 3 delivered")
-        reconnected.set()  # as after an outage: the subscription is made again from event 4 on
-        await publish_events(bus, [4])
-        while len(got) < 4:
-            got += await follower.next_batch(timeout_s=2)
+        while len(got) < 5:
+            batch = await follower.next_batch(timeout_s=2)
+            assert len(batch) <= 2
+            got += batch
+        await publish_events(bus, [6])
+        got += await follower.next_batch(timeout_s=2)
         assert await follower.next_batch(timeout_s=0.3) == []
-    assert steps(got) == [1, 2, 3, 4] and not reconnected.is_set()
+        info = await bus.js.stream_info(bus.topology.stream("events").name)
+    assert steps(got) == [1, 2, 3, 4, 5, 6]
+    provisioned = sum(c.stream_key == "events" for c in bus.topology.consumers)  # the metrics role's durable
+    assert info.state.consumer_count == provisioned, "read by direct get: no consumer of its own"
 
 
 async def test_a_stop_wakes_an_ordered_follower_waiting_for_messages(bus):

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from relax_bus.blobs import digest_of
 from relax_bus.envelope import CLAIM, open_message
 from relax_bus.errors import BlobCorrupt
-from schemas import encode
+from schemas import decode, encode
 from tests import factories as f
 
 pytestmark = pytest.mark.bus
@@ -23,3 +24,13 @@ async def test_a_swapped_payload_behind_a_claim_is_refused(bus):
     await bus.media.put(digest.removeprefix("sha256:"), encode(forged))  # object and its record, consistent
     with pytest.raises(BlobCorrupt, match="not the sha256 its claim names"):
         await open_message(b"", {CLAIM: digest}, bus.media)
+
+
+async def test_a_payload_planted_under_its_digest_before_the_honest_put_is_replaced(bus):
+    """The attack of finding 7: plant other bytes under the digest an honest payload will have; the honest
+    put used to see "already there" and leave them, so every reader of its claim was refused."""
+    honest = encode(f.prompt(bus.run, 2, text="honest"))
+    digest = digest_of(honest)
+    await bus.media.put(digest.removeprefix("sha256:"), encode(f.prompt(bus.run, 2, text="planted")))
+    assert await bus.media.put_content(honest) == digest
+    assert await open_message(b"", {CLAIM: digest}, bus.media) == decode(honest)

@@ -78,12 +78,7 @@ async def launch(
         if server is None:
             outages.append(_outage_line(since))
 
-    reconnected = asyncio.Event()
-
-    async def on_reconnect() -> None:
-        reconnected.set()
-
-    nc = await connect(settings, name="relax-run", on_outage=on_outage, on_reconnect=on_reconnect)
+    nc = await connect(settings, name="relax-run", on_outage=on_outage)
     processes = RunProcesses(config, url, run_dir / "work", run_dir / "logs", role_env)
     try:
         await provision(nc.jetstream(), config)
@@ -92,7 +87,7 @@ async def launch(
         out.write("started " + ", ".join(f"{label} (pid {pid})" for label, pid in processes.pids().items()) + "\n")
         if (sinks := metrics_sinks_line(config)) is not None:
             out.write(sinks + "\n")
-        watch = Watch(processes, server, outages, stopping or asyncio.Event(), reconnected)
+        watch = Watch(processes, server, outages, stopping or asyncio.Event())
         summary = await _follow(bus, config, watch, run_dir, out)
         await _metrics_written(bus, config, watch, out)
     finally:
@@ -198,8 +193,6 @@ class Watch:
     server: RunServer | None
     outages: list[str]
     stopping: asyncio.Event
-    reconnected: asyncio.Event
-    """Set by the connection when it is back after an outage (the events subscription is made again)."""
 
     async def look(self, note: Callable[[str], None]) -> None:
         if self.stopping.is_set():
@@ -220,7 +213,7 @@ async def _follow(bus: Bus, config: RunConfig, watch: Watch, run_dir: Path, out:
     processes = watch.processes
     ended_at = 0.0
     try:
-        async with contextlib.aclosing(follow_events(bus, reconnected=watch.reconnected)) as events:
+        async with contextlib.aclosing(follow_events(bus)) as events:
             async for event in events:  # at least every 0.5 s (None when idle)
                 if isinstance(event, Metric):
                     if metrics_file is not None:

@@ -16,7 +16,6 @@ once the run has ended, nothing is restarted or counted.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -265,17 +264,12 @@ class RunProcesses:
         return any(role_def(r.name).ends_run and r.finished for r in self.roles)
 
 
-async def follow_events(
-    bus: Bus[Any], idle_s: float = 0.5, reconnected: asyncio.Event | None = None
-) -> AsyncIterator[Message | None]:
+async def follow_events(bus: Bus[Any], idle_s: float = 0.5) -> AsyncIterator[Message | None]:
     """The run's events from the start, decoded; None after `idle_s` without one (a chance to look around).
 
-    Read by the bus's `Follower` on an ordered consumer (an event that does not decode is passed over). When
-    `reconnected` is set (the connection came back after an outage) the subscription is made again from the
-    event after the last one received, at once, instead of waiting for the ordered consumer to notice its
-    missed heartbeats. Iterate it inside `contextlib.aclosing(...)`, so that leaving the loop early
-    unsubscribes at once."""
-    async with Follower.ordered(bus, "events", reconnected=reconnected).reading() as follower:
+    Read by the bus's `Follower` in stream order (an event that does not decode is passed over). Iterate it
+    inside `contextlib.aclosing(...)`, so that leaving the loop early closes the follower at once."""
+    async with Follower.ordered(bus, "events").reading() as follower:
         while True:
             batch = await follower.next_batch(idle_s)
             if not batch:
