@@ -58,8 +58,13 @@ def passable(run: str, step: int) -> list[dict[str, object]]:
     return [
         {"kind": "metric", "schema_version": SCHEMA_VERSION, "run": run, "step": step, "values": {}},
         {"kind": "event", "schema_version": SCHEMA_VERSION, "run": run, "event": "warmup_done"},
-        {"kind": "event", "schema_version": SCHEMA_VERSION, "run": run, "event": "warmup_done",
-         "fields": {"warmup_steps": "many", "warmup_accuracy": None}},  # fmt: skip
+        {
+            "kind": "event",
+            "schema_version": SCHEMA_VERSION,
+            "run": run,
+            "event": "warmup_done",
+            "fields": {"warmup_steps": "many", "warmup_accuracy": None},
+        },
     ]
 
 
