@@ -14,6 +14,7 @@ from nats.js.kv import KeyValue
 from relax_bus.blobs import BlobStore
 from relax_bus.connection import connect
 from relax_bus.log import get_logger
+from relax_bus.outage import through_outage
 from relax_bus.policy_version import PolicyVersion
 from relax_bus.provision import read_config, state_kv
 from relax_bus.publisher import Publisher
@@ -66,14 +67,16 @@ class Bus(Generic[C]):
         run: str,
         config_model: type[C] = RunConfig,  # type: ignore[assignment]
     ) -> Bus[C]:
-        """Build a Bus over an existing connection."""
+        """Build a Bus over an existing connection. Its start-up reads ride through an outage or a server too
+        loaded to answer in time (`through_outage`), as the connection itself does."""
         js = nc.jetstream(timeout=10.0)
-        config = await read_config(js, run, model=config_model)
+        config = await through_outage(lambda: read_config(js, run, model=config_model), f"read run {run}'s config")
         assert config is not None
         topology = build_topology(config)
         max_payload = int(nc.max_payload or 1 << 20)
         media = BlobStore(js, topology.object_store("media"), max_payload)
-        state = await state_kv(js, run)
+        state = await through_outage(lambda: state_kv(js, run), f"open run {run}'s state")
+        workers = await through_outage(lambda: js.key_value(topology.bucket("workers")), f"open run {run}'s workers")
         return cls(
             nc=nc,
             js=js,
@@ -83,7 +86,7 @@ class Bus(Generic[C]):
             media=media,
             weights=BlobStore(js, topology.object_store("weights"), max_payload),
             state=state,
-            workers=await js.key_value(topology.bucket("workers")),
+            workers=workers,
             version=PolicyVersion(state),
         )
 

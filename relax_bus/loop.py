@@ -32,6 +32,7 @@ from relax_bus.bus import Bus
 from relax_bus.cancel import cancel_and_wait
 from relax_bus.delivery import Counters, WorkerOptions
 from relax_bus.heartbeat import HeartbeatWriter, process_heartbeat
+from relax_bus.outage import through_outage
 from schemas import WorkerHeartbeat
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -86,7 +87,7 @@ class Loop:
         heartbeat = self._heartbeat
         starts = heartbeat is not None and not heartbeat.running
         if heartbeat is not None and starts:
-            await heartbeat.beat()
+            await through_outage(heartbeat.beat, "write the first heartbeat")  # idempotent: a KV put of our own key
             heartbeat.start()
         try:
             yield

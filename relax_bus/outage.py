@@ -75,10 +75,14 @@ def is_transient(err: BaseException) -> bool:
 
 
 async def through_outage(op: Callable[[], Awaitable[T]], what: str, deadline_s: float = OUTAGE_S) -> T:
-    """Run `op` (idempotent), retrying transient failures with backoff for up to `deadline_s` seconds."""
+    """Run `op` (idempotent), retrying transient failures with backoff for up to `deadline_s` seconds.
+
+    A request that times out (a loaded server, a start-up read) is retried as a lost connection is. One log
+    line per outage, when the first attempt fails; `NatsUnavailable` (one line) once it outlasts `deadline_s`."""
     started = time.monotonic()
     deadline = started + deadline_s
     delay = 0.1
+    retries = 0
     while True:
         try:
             return await op()
@@ -88,6 +92,8 @@ async def through_outage(op: Callable[[], Awaitable[T]], what: str, deadline_s: 
             raise_if_denied(started, what)
             if time.monotonic() + delay > deadline:
                 raise NatsUnavailable(f"{what}: NATS unavailable for {deadline_s:g}s ({type(err).__name__})") from None
-            log.info("nats_outage_retry", op=what, error=type(err).__name__)
+            if not retries:
+                log.info("nats_outage_retry", op=what, error=type(err).__name__, retrying_for_s=deadline_s)
+            retries += 1
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)

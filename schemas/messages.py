@@ -13,10 +13,11 @@ a major bump.
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar, Literal, TypeAlias
+from typing import Annotated, Any, ClassVar, Literal, TypeAlias
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from schemas.bounded import MAX_FIELDS, Count, FieldValue, Name, Value, check_counters
 from schemas.parts import Part
 from schemas.tensor import WireTensor
 
@@ -360,13 +361,14 @@ class RunEvent(Message):
     kind: Literal["event"] = "event"
     deduplicated: ClassVar[bool] = False  # each event is news of its own
     run: str = Field(pattern=_ID)
-    event: str
+    event: Name
     """Event name, e.g. group_dropped, worker_started."""
     level: Literal["debug", "info", "warning", "error"] = "info"
-    source: str = ""
+    source: str = Field(default="", max_length=200)
     """Role or worker id that emitted it."""
-    fields: dict[str, Scalar] = Field(default_factory=dict)
-    at: float = Field(default_factory=time.time)
+    fields: dict[Name, FieldValue] = Field(default_factory=dict, max_length=MAX_FIELDS)
+    """What happened, as named scalars (bounded: `schemas.bounded`)."""
+    at: float = Field(default_factory=time.time, allow_inf_nan=False)
 
 
 class Metric(Message):
@@ -375,9 +377,10 @@ class Metric(Message):
     kind: Literal["metric"] = "metric"
     deduplicated: ClassVar[bool] = False  # each record is stored as published
     run: str = Field(pattern=_ID)
-    step: int = Field(ge=0)
-    values: dict[str, float]
-    at: float = Field(default_factory=time.time)
+    step: Count
+    values: Annotated[dict[Name, Value], Field(max_length=MAX_FIELDS), AfterValidator(check_counters)]
+    """The step's values by name: finite or NaN; counts (step, version, `lag_<k>`, ...) whole and bounded."""
+    at: float = Field(default_factory=time.time, allow_inf_nan=False)
 
 
 class DeadLetter(Message):

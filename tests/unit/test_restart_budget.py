@@ -1,5 +1,6 @@
 """`relax run`'s restart policy: back-off that resets after a stable period, a failure budget per time
-window (not per lifetime), and no restarts or failures once the run has ended."""
+window (not per lifetime) for a role that fails by itself the same way, none for a role stopped from outside,
+and no restarts or failures once the run has ended."""
 
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ def procs(tmp_path) -> p.RunProcesses:
     return run
 
 
-def _crash(role: p.RoleProcess, started_at: float) -> None:
-    role.proc = _Exited(-9)  # type: ignore[assignment]
+def _crash(role: p.RoleProcess, started_at: float, code: int = 1) -> None:
+    """The role failed by itself (exit 1, by default) after running since `started_at`."""
+    role.proc = _Exited(code)  # type: ignore[assignment]
     role.started_at = started_at
 
 
@@ -65,7 +67,7 @@ def test_six_failures_within_the_window_stop_the_run(procs):
     delays = [n.split("restart in ")[1].split("s")[0] for n in notes]
     assert delays == ["1", "2", "5", "10", "10"], "backoff grows while the role keeps failing"
     _crash(actor, 20.0)
-    with pytest.raises(RunFailed, match="6th failure within 120s without the run making progress"):
+    with pytest.raises(RunFailed, match="6th failure with the same error within 120s without the run making progress"):
         procs.supervise(notes.append, now=21.0)
 
 
@@ -117,3 +119,59 @@ def test_a_role_that_refuses_its_config_ends_the_run_with_its_reason(procs):
             "  - model.source: unknown model source '/gone'"
         )
     assert notes == [] and procs.restarted == [] and rollout.restarts == 0 and rollout.failures == []
+
+
+def test_a_role_killed_from_outside_is_restarted_and_never_a_crash_loop(procs):
+    """Twenty SIGKILLs (and SIGTERMs) of the rollout role within a minute and no step trained (a slow warm-up):
+    each is restarted after the usual backoff, none counts towards a crash loop."""
+    rollout, notes = procs.get("rollout"), []
+    for k in range(20):
+        _crash(rollout, 3.0 * k, code=-9 if k % 2 else -15)
+        procs.supervise(notes.append, now=3.0 * k + 0.5)
+        procs.supervise(notes.append, now=3.0 * k + 0.5 + 10.0)  # restarted
+    assert rollout.restarts == 20 and rollout.failures == []
+    kills = [n for n in notes if "from outside" in n]
+    assert len(kills) == 20 and "rollout-0 was killed by SIGKILL (from outside, not a failure)" in kills[1]
+    assert [n.split("restart in ")[1] for n in kills[:5]] == ["1s", "2s", "5s", "10s", "10s"], "still backed off"
+
+
+def test_outside_kills_between_own_failures_do_not_hide_a_crash_loop(procs):
+    """A role that fails by itself six times with the same error, killed from outside in between: a crash loop."""
+    actor, notes = procs.get("actor"), []
+    actor.log_path.write_text("relax: error: trainer step failed at update 12\n")
+    for k in range(5):
+        _crash(actor, 4.0 * k)
+        procs.supervise(notes.append, now=4.0 * k + 0.5)
+        procs.supervise(notes.append, now=4.0 * k + 0.5 + 10.0)
+        _crash(actor, 4.0 * k + 1, code=-9)
+        procs.supervise(notes.append, now=4.0 * k + 1.5)
+        procs.supervise(notes.append, now=4.0 * k + 1.5 + 10.0)
+    actor.log_path.write_text("relax: error: trainer step failed at update 13\n")  # numbers differ: the same error
+    _crash(actor, 30.0)
+    with pytest.raises(RunFailed, match="actor-0 exited with 1, its 6th failure with the same error"):
+        procs.supervise(notes.append, now=31.0)
+
+
+def test_different_failures_of_one_role_are_no_crash_loop_of_one_error(procs):
+    """Six failures within the window, each with another error or exit code: the role is not failing the same way."""
+    reward, notes = procs.get("reward"), []
+    for k, (code, error) in enumerate([(1, "A"), (1, "B"), (3, "A"), (1, "C"), (4, "A"), (1, "D"), (1, "E")]):
+        reward.log_path.write_text(f"relax: error: {error}\n")
+        _crash(reward, float(k))
+        reward.proc = _Exited(code)  # type: ignore[assignment]
+        procs.supervise(notes.append, now=float(k) + 0.5)
+        procs.supervise(notes.append, now=float(k) + 0.5 + 10.0)
+    assert reward.restarts == 7 and len(reward.failures) == 7
+
+
+def test_warm_up_progress_forgives_earlier_failures(procs):
+    """The warm-up's events count as progress (`relax run` calls `progressed` on them): failures before one
+    no longer count."""
+    feeder, notes = procs.get("feeder"), []
+    for k in range(12):
+        _crash(feeder, 5.0 * k)
+        procs.supervise(notes.append, now=5.0 * k + 0.5)
+        procs.supervise(notes.append, now=5.0 * k + 0.5 + 10.0)
+        if k % 4 == 3:
+            procs.progressed(now=5.0 * k + 11.0)  # a `warmup_progress` event
+    assert feeder.restarts == 12

@@ -13,7 +13,7 @@ def draw_curve(metrics: Path, target: Path, title: str = "") -> Path | None:
     """Write a PNG with two panels (reward vs step, vs wall seconds); None when there are no metrics."""
     if not metrics.exists():
         return None
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = [r for r in map(_row, metrics.read_text().splitlines()) if r is not None]
     if not rows:
         return None
     import matplotlib
@@ -33,7 +33,9 @@ def draw_curve(metrics: Path, target: Path, title: str = "") -> Path | None:
         ax.grid(alpha=0.3)
     palette = {"image": "#e6550d", "audio": "#31a354", "video": "#756bb1", "text": "#636363", "omni": "#d6616b"}
     for name in sorted({k for r in rows for k in r if k.startswith("reward/")}):
-        kept = [(s, w, r[name]) for s, w, r in zip(steps, wall, rows, strict=True) if name in r]
+        kept = [
+            (s, w, r[name]) for s, w, r in zip(steps, wall, rows, strict=True) if isinstance(r.get(name), int | float)
+        ]
         values = _moving_average([v for _, _, v in kept], 20)
         colour = palette.get(name.removeprefix("reward/"))
         a.plot([s for s, _, _ in kept], values, color=colour, linewidth=1.5, label=f"{name} (moving average 20)")
@@ -47,6 +49,20 @@ def draw_curve(metrics: Path, target: Path, title: str = "") -> Path | None:
     fig.savefig(target, dpi=100)
     plt.close(fig)
     return target
+
+
+def _row(line: str) -> dict[str, float] | None:
+    """A line of metrics.jsonl with the numbers a curve needs (step, wall_s, reward_mean), else None: a torn line
+    or a step whose metric lacks them draws nothing."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    numbers = isinstance(row, dict) and all(
+        isinstance(row.get(k), int | float) and not isinstance(row.get(k), bool)
+        for k in ("step", "wall_s", "reward_mean")
+    )
+    return row if numbers else None
 
 
 def _moving_average(values: list[float], window: int) -> list[float]:

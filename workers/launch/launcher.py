@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +29,8 @@ from relax_bus.bus import Bus
 from relax_bus.connection import connect
 from relax_bus.errors import ConfigError
 from relax_bus.ops.server import free_port
-from relax_bus.provision import provision
+from relax_bus.outage import OUTAGE_S
+from relax_bus.provision import provision_when_ready
 from relax_bus.settings import ConnectionSettings, redacted
 from schemas import Metric, RunEvent
 from workers.config import PipelineConfig as RunConfig
@@ -81,7 +83,8 @@ async def launch(
     nc = await connect(settings, name="relax-run", on_outage=on_outage)
     processes = RunProcesses(config, url, run_dir / "work", run_dir / "logs", role_env)
     try:
-        await provision(nc.jetstream(), config)
+        # Retried while the server does not answer in time (a loaded machine), as the roles' start-up reads are.
+        await provision_when_ready(nc.jetstream(), config, OUTAGE_S)
         bus = await Bus.attach(nc, config.run, RunConfig)
         processes.start()
         out.write("started " + ", ".join(f"{label} (pid {pid})" for label, pid in processes.pids().items()) + "\n")
@@ -208,25 +211,27 @@ async def _follow(bus: Bus, config: RunConfig, watch: Watch, run_dir: Path, out:
     # The metrics role writes metrics.jsonl; without it (or its jsonl sink) the launcher does.
     metrics_file = open(run_dir / "metrics.jsonl", "w") if _launcher_writes_jsonl(config) else None  # noqa: SIM115
     progress = Progress(config.trainer.steps, out)
-    rewards: list[float] = []
+    rewards: dict[int, float] = {}
+    """The reward of each step seen (NaN: the step's metric has none)."""
     started = time.time()
     processes = watch.processes
     ended_at = 0.0
     try:
         async with contextlib.aclosing(follow_events(bus)) as events:
             async for event in events:  # at least every 0.5 s (None when idle)
-                if isinstance(event, Metric):
+                # Any role may publish here: every event that decodes is within bounds (`schemas.bounded`), and
+                # nothing below assumes a field is there.
+                if isinstance(event, Metric) and event.step <= config.trainer.steps:
                     if metrics_file is not None:
                         metrics_file.write(json.dumps({"step": event.step, "at": event.at, **event.values}) + "\n")
                         metrics_file.flush()
-                    rewards.append(event.values["reward_mean"])
+                    rewards[event.step] = event.values.get("reward_mean", math.nan)
                     processes.progressed()
-                    progress.update(event.values, await _depths(bus))
-                elif isinstance(event, RunEvent) and event.event == "warmup_done":
-                    progress.note(
-                        f"warm-up: {event.fields.get('warmup_steps'):.0f} supervised steps, "
-                        f"sampled accuracy {event.fields.get('warmup_accuracy'):.2f}"
-                    )
+                    progress.update(event.step, event.values, await _depths(bus))
+                elif isinstance(event, RunEvent) and event.event in WARMUP_EVENTS:
+                    processes.progressed()  # a warm-up that advances is a run that advances
+                    if event.event == "warmup_done":
+                        progress.note(warmup_line(event))
                 await watch.look(progress.note)
                 if processes.ended():
                     # The actor's last events may still be on their way (an ordered consumer catching up
@@ -238,7 +243,8 @@ async def _follow(bus: Bus, config: RunConfig, watch: Watch, run_dir: Path, out:
         if metrics_file is not None:
             metrics_file.close()
         progress.close()
-    head, tail = rewards[:5], rewards[-5:]
+    known = [r for _, r in sorted(rewards.items()) if math.isfinite(r)]
+    head, tail = known[:5], known[-5:]
     return {
         "run": config.run,
         "steps": len(rewards),
@@ -248,6 +254,21 @@ async def _follow(bus: Bus, config: RunConfig, watch: Watch, run_dir: Path, out:
         "restarts": {r.label: r.restarts for r in processes.roles if r.restarts},
         "metrics": str(metrics_jsonl(config, run_dir)),
     }
+
+
+WARMUP_EVENTS = frozenset({"warmup_progress", "warmup_done"})
+"""What the actor's supervised warm-up emits as it advances: progress for the crash-loop rule, as a step is."""
+
+
+def warmup_line(event: RunEvent) -> str:
+    """The warm-up's outcome in one line, whatever its fields hold."""
+    steps, accuracy = event.fields.get("warmup_steps"), event.fields.get("warmup_accuracy")
+    return f"warm-up: {_number(steps, '.0f')} supervised steps, sampled accuracy {_number(accuracy, '.2f')}"
+
+
+def _number(value: object, spec: str) -> str:
+    """`value` formatted by `spec` when it is a number, else `?`."""
+    return format(value, spec) if isinstance(value, int | float) and not isinstance(value, bool) else "?"
 
 
 async def _depths(bus: Bus) -> dict[str, int]:

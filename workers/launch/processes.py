@@ -7,16 +7,19 @@ in reverse order (SIGTERM, then SIGKILL after a grace period); kills and restart
 them for their stacks (SIGUSR1); and supervises them: a role that exits 0 by itself is finished, one that
 exits 2 (`relax_bus.errors.EXIT_REFUSED`: its config cannot work, a restart would fail the same way) ends the
 run at once with its error (`RoleRefused`), one that fails otherwise is restarted with backoff (reset once it
-has stayed up for `STABLE_S`), and the run fails only when one role fails more than `MAX_RESTARTS` times
-within `RESTART_WINDOW_S` with no progress of the run in between (a crash loop, as systemd's restart limit
-and Kubernetes' back-off see it; a role that keeps failing while the run trains on is recovering each time);
-once the run has ended, nothing is restarted or counted.
+has stayed up for `STABLE_S`), and the run fails only when one role fails by itself more than `MAX_RESTARTS`
+times with the same exit code and error within `RESTART_WINDOW_S` with no progress of the run in between (a
+crash loop, as systemd's restart limit and Kubernetes' back-off see it; a role that keeps failing while the run
+trains or warms up is recovering each time). A role stopped from outside (killed by SIGKILL or SIGTERM, which
+it never sends itself) is restarted with the same backoff and never counts towards a crash loop; once the run
+has ended, nothing is restarted or counted.
 `follow_events` yields the run's events.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -50,6 +53,22 @@ STABLE_S = 60.0
 """A role that stayed up this long starts its backoff from the first delay again."""
 ERROR_PREFIX = "relax: error: "
 """How `relax worker` starts the line of the error that ended it (`relax_bus.ops.cli.main`)."""
+OUTSIDE_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
+"""Signals that end a process from outside (a person, the OOM killer, a node's shutdown); a role raises none of
+them itself. SIGABRT, SIGSEGV and the like are the process's own failure."""
+
+
+def stopped_from_outside(code: int) -> bool:
+    """Whether exit `code` says the role was stopped, not that it failed: killed by one of `OUTSIDE_SIGNALS`, or
+    exit 0 (how a role that does not end by itself answers SIGTERM)."""
+    return code == 0 or (code < 0 and -code in OUTSIDE_SIGNALS)
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
 
 
 @dataclass
@@ -63,8 +82,9 @@ class RoleProcess:
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     """Restarts over the whole run (reported in the summary)."""
-    failures: list[float] = field(default_factory=list)
-    """`time.monotonic()` of each failure within the restart window."""
+    failures: list[tuple[float, str]] = field(default_factory=list)
+    """`time.monotonic()` and what it failed with (`failure`) of each of its own failures within the restart
+    window (a stop from outside is none)."""
     backoff: int = 0
     """Index into RESTART_BACKOFF_S of the next restart's delay."""
     started_at: float = 0.0
@@ -103,6 +123,14 @@ class RoleProcess:
 
     def log_tail(self, lines: int = 8) -> str:
         return log_tail(self.log_path, lines)
+
+    def failure(self, code: int) -> str:
+        """What it failed with: its exit code and its last error (the last `relax: error: ...` line, else the log's
+        last line), numbers masked, so that the same failure again reads the same."""
+        lines = [line for line in log_tail(self.log_path, 60).splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith(ERROR_PREFIX)]
+        last = (errors or lines or [""])[-1]
+        return f"{code}: {re.sub(r'[0-9]+', 'N', last)[:300]}"
 
     def refusal(self) -> str:
         """Why it refused to run: its last `relax: error: ...` and the problem lines after it, else its log's tail."""
@@ -231,8 +259,10 @@ class RunProcesses:
         return out
 
     def supervise(self, note: Callable[[str], None], now: float | None = None) -> None:
-        """Restart failed processes with backoff; RunFailed once one has failed more than `MAX_RESTARTS`
-        times within `RESTART_WINDOW_S`. Nothing once the run has ended (a role dying then is no failure)."""
+        """Restart failed processes with backoff; RunFailed once one has failed by itself more than `MAX_RESTARTS`
+        times with the same error within `RESTART_WINDOW_S` and no progress of the run in between. A role stopped
+        from outside (`stopped_from_outside`: SIGKILL, say) is restarted with the same backoff but is no failure.
+        Nothing once the run has ended (a role dying then is no failure)."""
         if self.ended():
             return
         now = time.monotonic() if now is None else now
@@ -242,22 +272,32 @@ class RunProcesses:
             if role.next_start == 0.0:  # a failure not seen yet
                 if now - role.started_at >= STABLE_S:
                     role.backoff = 0
-                recent = [t for t in role.failures if now - t < RESTART_WINDOW_S and t > self.progress_at]
-                role.failures = [*recent, now]
-                if len(role.failures) > MAX_RESTARTS:
-                    raise RunFailed(
-                        f"{role.label} exited with {code}, its {len(role.failures)}th failure within "
-                        f"{RESTART_WINDOW_S:g}s without the run making progress ({role.restarts} restarts in all); "
-                        f"its log ({role.log_path}) ends with:\n{role.log_tail()}"
-                    )
                 delay = RESTART_BACKOFF_S[min(role.backoff, len(RESTART_BACKOFF_S) - 1)]
+                if stopped_from_outside(code):
+                    how = "exited 0 unasked" if code == 0 else f"was killed by {_signal_name(code)}"
+                    note(f"{role.label} {how} (from outside, not a failure); restart in {delay:g}s")
+                else:
+                    self._count_failure(role, code, now)
+                    note(f"{role.label} exited with {code}; restart in {delay:g}s (log: {role.log_path})")
                 role.backoff += 1
                 role.next_start = now + delay
-                note(f"{role.label} exited with {code}; restart in {delay:g}s (log: {role.log_path})")
             elif now >= role.next_start:
                 self.restart(role.name, role.index)
                 if role.proc is not None:
                     note(f"{role.label} (pid {role.proc.pid}) restarted, restart {role.restarts}")
+
+    def _count_failure(self, role: RoleProcess, code: int, now: float) -> None:
+        """Record one of the role's own failures; RunFailed when it makes a crash loop."""
+        failure = role.failure(code)
+        recent = [(t, f) for t, f in role.failures if now - t < RESTART_WINDOW_S and t > self.progress_at]
+        role.failures = [*recent, (now, failure)]
+        same = sum(1 for _, f in role.failures if f == failure)
+        if same > MAX_RESTARTS:
+            raise RunFailed(
+                f"{role.label} exited with {code}, its {same}th failure with the same error within "
+                f"{RESTART_WINDOW_S:g}s without the run making progress ({role.restarts} restarts in all); "
+                f"its log ({role.log_path}) ends with:\n{role.log_tail()}"
+            )
 
     def ended(self) -> bool:
         """Whether the run is over: a role that ends the run exited by itself."""

@@ -1,8 +1,11 @@
-"""Live progress of a run on the launcher's terminal: a bar with reward, lag, throughput, queue depths."""
+"""Live progress of a run on the launcher's terminal: a bar with reward, lag, throughput, queue depths.
+
+The values come from the run's events, which any role may publish: a value a step's metric lacks shows as `-`."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import IO
 
 
@@ -17,16 +20,20 @@ class Progress:
         self.started = time.time()
         self.line = ""
 
-    def update(self, values: dict[str, float], depths: dict[str, int]) -> None:
-        step = int(values["step"])
-        done = min(1.0, step / self.total)
+    def update(self, step: int, values: Mapping[str, float], depths: dict[str, int]) -> None:
+        """Show `step` with what its values hold (a value the step's metric lacks shows as `-`)."""
+        done = min(1.0, step / self.total) if self.total else 1.0
         bar = "#" * int(done * 24)
         queues = " ".join(f"{k}:{v}" for k, v in depths.items())
+
+        def shown(key: str, spec: str) -> str:
+            return format(values[key], spec) if key in values else "-"
+
         self.line = (
-            f"[{bar:<24}] step {step}/{self.total}  reward {values['reward_mean']:.3f}  "
-            f"lag {values.get('lag_mean', 0):.2f} (max {values.get('lag_max', 0):.0f})  "
-            f"tok/s {values.get('rollout_tokens_per_s', 0):.0f}  train {values.get('train_s', 0):.2f}s  "
-            f"dropped {values.get('dropped', 0):.0f}  queues {queues}  {time.time() - self.started:.0f}s"
+            f"[{bar:<24}] step {step}/{self.total}  reward {shown('reward_mean', '.3f')}  "
+            f"lag {shown('lag_mean', '.2f')} (max {shown('lag_max', '.0f')})  "
+            f"tok/s {shown('rollout_tokens_per_s', '.0f')}  train {shown('train_s', '.2f')}s  "
+            f"dropped {shown('dropped', '.0f')}  queues {queues}  {time.time() - self.started:.0f}s"
         )
         if self.tty:
             self.out.write("\r\x1b[2K" + self.line)

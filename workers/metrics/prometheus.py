@@ -27,7 +27,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from relax_bus.log import get_logger
 from schemas import Metric, RunEvent
+from schemas.bounded import lag_of
+
+log = get_logger(__name__)
 
 _STEP_GAUGES = {
     "version": ("relax_policy_version", "Policy version after the last step."),
@@ -43,10 +47,38 @@ LAG_BUCKETS = (0, 1, 2, 3, 4, 8, 16, 32, 64, float("inf"))
 """Upper bounds of the lag histogram's buckets: every small lag on its own, then doubling."""
 
 
-def _lag_of(key: str) -> int | None:
-    """k of a step value named `lag_<k>` (the count of groups k versions old), else None."""
-    prefix, _, k = key.partition("_")
-    return int(k) if prefix == "lag" and k.isdigit() else None
+MAX_SERIES = 256
+"""Most label values (metric names, event names) a labelled metric takes; later ones are not exported."""
+
+
+class _Labels:
+    """The label values a labelled metric has taken, at most `MAX_SERIES`: the events stream is written by every
+    role, and each new name would otherwise be a series kept for the life of the process."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.seen: set[str] = set()
+        self.refused = 0
+
+    def admit(self, value: str) -> bool:
+        if value in self.seen:
+            return True
+        if len(self.seen) < MAX_SERIES:
+            self.seen.add(value)
+            return True
+        if not self.refused:  # once: the names past the bound are not news
+            log.warning("prometheus_series_bound", what=self.what, bound=MAX_SERIES, name=value[:64])
+        self.refused += 1
+        return False
+
+
+def _observe_times(histogram: Any, value: float, times: int) -> None:
+    """`histogram.observe(value)` `times` times, in one update (a step's lag counts are bounded, not small)."""
+    histogram._sum.inc(value * times)
+    for i, bound in enumerate(histogram._upper_bounds):
+        if value <= bound:
+            histogram._buckets[i].inc(times)
+            break
 
 
 class PrometheusSink:
@@ -72,6 +104,7 @@ class PrometheusSink:
             buckets=LAG_BUCKETS,
             registry=r,
         )
+        self._value_names, self._event_names = _Labels("relax_step_value"), _Labels("relax_events_total")
         self._server: Any
         self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
 
@@ -84,14 +117,15 @@ class PrometheusSink:
         if isinstance(event, Metric):
             self.step.labels(self.run).set(event.step)
             for key, value in event.values.items():
-                self.values.labels(self.run, key).set(value)
+                if self._value_names.admit(key):
+                    self.values.labels(self.run, key).set(value)
                 if key in self.gauges:
                     self.gauges[key].labels(self.run).set(value)
-                if (lag := _lag_of(key)) is not None:
-                    for _ in range(int(value)):  # lag_<k>: how many of the step's groups were k versions old
-                        self.lag.labels(self.run).observe(lag)
+                if (lag := lag_of(key)) is not None:  # lag_<k>: how many of the step's groups were k versions old
+                    _observe_times(self.lag.labels(self.run), lag, int(value))
             return
-        self.events.labels(self.run, event.event).inc()
+        if self._event_names.admit(event.event):
+            self.events.labels(self.run, event.event).inc()
         if event.event == "group_dropped":
             self.dropped.labels(self.run).inc()
         elif event.event == "group_requeued":

@@ -181,7 +181,12 @@ class Actor:
             self.state.version = current
             await self.worker.rewind(1)
         else:
-            info = await asyncio.to_thread(warm_up, self.trainer, warmup_items)
+            loop = asyncio.get_running_loop()
+
+            def checked(fields: dict[str, float]) -> None:  # from the warm-up's thread: `relax run` sees progress
+                asyncio.run_coroutine_threadsafe(self._event("warmup_progress", **fields), loop)
+
+            info = await asyncio.to_thread(warm_up, self.trainer, warmup_items, checked)
             log.info("warmup_done", **info)
             await self._event("warmup_done", **info)
             await self._publish_weights(0)

@@ -61,7 +61,7 @@ async def serve(ctx: RoleContext) -> None:
     os.environ.pop(WANDB_SERVICE_VARIABLE, None)
     sinks = await asyncio.to_thread(open_sinks, config, metrics_dir(config, ctx.cache), bus.run)
     try:
-        await MetricsRole(bus, ctx.role, sinks, gauges, config.poll_s).run(ctx.stop)
+        await MetricsRole(bus, ctx.role, sinks, gauges, config.poll_s, bus.config.trainer.steps).run(ctx.stop)
     finally:
         for sink in sinks:
             await asyncio.to_thread(sink.close)
@@ -73,9 +73,18 @@ class MetricsRole:
     """The role's part of the follower loop: write each batch to every sink and flush; the Prometheus poll."""
 
     def __init__(
-        self, bus: Bus, role: str, sinks: list[StepSink], gauges: PrometheusSink | None, poll_s: float = 5.0
+        self,
+        bus: Bus,
+        role: str,
+        sinks: list[StepSink],
+        gauges: PrometheusSink | None,
+        poll_s: float = 5.0,
+        steps: int | None = None,
     ) -> None:
+        """`steps`: the run's last step; a metric of a later one is passed over (it would make the sinks skip
+        every real step up to it)."""
         self.bus = bus
+        self.steps = steps
         self.role = role
         self.sinks = sinks
         self.gauges = gauges
@@ -94,7 +103,7 @@ class MetricsRole:
 
     async def take(self, batch: list[Followed]) -> None:
         """Write a batch's steps to every sink and flush, and update the gauges (the bus acknowledges it next)."""
-        points = [m for _, m in batch if isinstance(m, Metric)]
+        points = [m for _, m in batch if isinstance(m, Metric) and self._in_run(m)]
         written = await asyncio.to_thread(self._write, points) if points else {}
         if self.gauges is not None:
             for _, message in batch:
@@ -104,8 +113,15 @@ class MetricsRole:
         counts["points"] += len(points)
         for name, count in written.items():
             counts[f"written_{name}"] += count
-        if points:
+        if points:  # a count: a whole number in bounds (`schemas.bounded`)
             self.follower.policy_version = int(points[-1].values.get("version", self.follower.policy_version or 0))
+
+    def _in_run(self, point: Metric) -> bool:
+        if self.steps is None or point.step <= self.steps:
+            return True
+        log.warning("metric_beyond_run", step=point.step, steps=self.steps)  # passed over: no sink writes it
+        self.follower.counts["passed_over"] += 1
+        return False
 
     def _write(self, points: list[Metric]) -> dict[str, int]:
         """Write and flush `points` to every sink (in a thread: W&B and file writes block)."""

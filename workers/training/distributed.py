@@ -121,20 +121,27 @@ class MirroredCheckpoints:
         return lambda *args: self.driven.mirror(CHECKPOINTS + name, *args)
 
 
-def warm_up(trainer: PolicyTrainer | DrivenTrainer, items: Sequence[TaskItem]) -> dict[str, float]:
-    """The supervised warm-up (`workers.training.warmup.run_warmup`), on every rank when `trainer` drives several."""
+def warm_up(
+    trainer: PolicyTrainer | DrivenTrainer,
+    items: Sequence[TaskItem],
+    on_check: Callable[[dict[str, float]], None] | None = None,
+) -> dict[str, float]:
+    """The supervised warm-up (`workers.training.warmup.run_warmup`), on every rank when `trainer` drives several
+    (`on_check`, told each accuracy check, only in one process)."""
     if isinstance(trainer, DrivenTrainer):
         info: dict[str, float] = trainer.mirror("warmup", items)
         return info
-    return _run_warmup(trainer, items)
+    return _run_warmup(trainer, items, on_check)
 
 
-def _run_warmup(trainer: PolicyTrainer, items: Sequence[TaskItem]) -> dict[str, float]:
+def _run_warmup(
+    trainer: PolicyTrainer, items: Sequence[TaskItem], on_check: Callable[[dict[str, float]], None] | None = None
+) -> dict[str, float]:
     # Imported when a warm-up runs: its task and media modules pull in the NATS client, which a rank that only
     # mirrors steps never needs.
     from workers.training.warmup import run_warmup
 
-    return run_warmup(trainer, items)
+    return run_warmup(trainer, items, on_check)
 
 
 def leave() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,7 +43,9 @@ def item_prompt(trainer: PolicyTrainer, item: TaskItem) -> Prompt:
     return ids, None
 
 
-def run_warmup(trainer: PolicyTrainer, items: Sequence[TaskItem]) -> dict[str, float]:
+def run_warmup(
+    trainer: PolicyTrainer, items: Sequence[TaskItem], on_check: Callable[[dict[str, float]], None] | None = None
+) -> dict[str, float]:
     """Supervised steps on (prompt, answer) until sampled accuracy reaches the target or max_steps.
 
     A high learning rate can reach a good accuracy and then collapse: when max_steps ends below the
@@ -51,6 +53,7 @@ def run_warmup(trainer: PolicyTrainer, items: Sequence[TaskItem]) -> dict[str, f
     accuracy is computed identically on each). With `label_noise` > 0, `noise_steps` more steps follow
     in which that fraction of the answers is replaced by wrong ones: the model keeps the task's format
     but loses its confidence, so RL starts from a weak, reproducible policy with a dense reward signal.
+    `on_check` is told each accuracy check (step, loss, accuracy): the warm-up's progress.
     """
     wcfg = trainer.cfg.warmup
     tok = trainer.tokenizer
@@ -68,6 +71,8 @@ def run_warmup(trainer: PolicyTrainer, items: Sequence[TaskItem]) -> dict[str, f
         if step % wcfg.check_every == 0:
             accuracy = sampled_accuracy(trainer, items[:64])
             log.info("warmup_progress", step=step, loss=round(loss, 4), accuracy=round(accuracy, 3))
+            if on_check is not None:
+                on_check({"warmup_step": float(step), "warmup_loss": loss, "warmup_accuracy": accuracy})
             if accuracy >= wcfg.target_accuracy:
                 break
             if best is None or accuracy > best[0]:
