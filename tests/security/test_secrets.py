@@ -66,3 +66,21 @@ def test_a_planted_part_symlink_does_not_receive_the_admin_password(tmp_path):
     admin = bundle.env_files["admin"]
     assert not admin.is_symlink() and admin.stat().st_mode & 0o777 == 0o600
     assert "RELAX_PASSWORD=" in admin.read_text()
+
+
+def test_a_connected_role_forgets_the_secrets_it_connected_with():
+    """Finding 4: reward code of the worker's uid read RELAX_PASSWORD from /proc/<worker>/environ. A role
+    removes the secrets from its environment once connected (`workers.roles.serve.run_role`)."""
+    from relax_bus.connection import forget_credentials
+
+    environ = {
+        "RELAX_USER": "sec-reward",
+        "RELAX_PASSWORD": "s3cret",
+        "RELAX_TOKEN": "t0ken",
+        "RELAX_NATS_URL": "nats://sec-reward:s3cret@127.0.0.1:4222",
+        "PATH": "/usr/bin",
+    }
+    assert sorted(forget_credentials(environ)) == ["RELAX_NATS_URL", "RELAX_PASSWORD", "RELAX_TOKEN"]
+    assert environ == {"RELAX_USER": "sec-reward", "PATH": "/usr/bin"}
+    plain = {"RELAX_NATS_URL": "nats://127.0.0.1:4222"}
+    assert forget_credentials(plain) == [] and plain == {"RELAX_NATS_URL": "nats://127.0.0.1:4222"}
