@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 
 import nats
@@ -16,7 +17,7 @@ from nats.aio.client import Client as NATS
 from relax_bus.errors import ConfigError, NatsRefused, NatsUnreachable
 from relax_bus.log import get_logger
 from relax_bus.outage import note_denied
-from relax_bus.settings import ConnectionSettings, redacted
+from relax_bus.settings import ConnectionSettings, has_secret, redacted
 
 log = get_logger(__name__)
 
@@ -33,6 +34,23 @@ def tls_context(settings: ConnectionSettings) -> ssl.SSLContext | None:
     if settings.tls_cert_file and settings.tls_key_file:
         ctx.load_cert_chain(str(settings.tls_cert_file), str(settings.tls_key_file))
     return ctx
+
+
+SECRET_VARIABLES = ("RELAX_PASSWORD", "RELAX_TOKEN")
+"""Environment variables `ConnectionSettings` reads that are secrets themselves (RELAX_NATS_URL is one when it
+carries a password or a token)."""
+
+
+def forget_credentials(environ: MutableMapping[str, str] = os.environ) -> list[str]:
+    """Remove the secrets the connection settings were read from, once connected: the client keeps its own
+    copy for reconnecting, and nothing this process starts afterwards inherits them. Returns the names
+    removed. A process that starts others needing the bus (`relax run`) must not call it."""
+    names = [n for n in SECRET_VARIABLES if n in environ]
+    if has_secret(environ.get("RELAX_NATS_URL", "")):
+        names.append("RELAX_NATS_URL")
+    for name in names:
+        del environ[name]
+    return names
 
 
 def check_login_files(settings: ConnectionSettings) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -262,10 +263,16 @@ def write_bundle(
 
 def _write_private(path: Path, text: str) -> None:
     """Write a file only its owner can read (0600, also when it existed with a wider mode), atomically:
-    a reader sees the old file or the whole new one."""
-    part = path.with_name(f".{path.name}.part")
-    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        os.fchmod(f.fileno(), 0o600)
-        f.write(text)
-    os.replace(part, path)
+    a reader sees the old file or the whole new one.
+
+    The new text goes to a fresh file of a random name (`mkstemp`: O_CREAT | O_EXCL, mode 0600), never to a
+    fixed `.part` name another local user could have planted as a symlink in a shared directory; the
+    rename replaces `path` itself, a symlink there included, without following it."""
+    fd, part = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(part, path)
+    except BaseException:
+        os.unlink(part)
+        raise

@@ -126,3 +126,66 @@ def burns_cpu(completion: str, answer: str | None, finish_reason: str, cpu_s: fl
     while completion == "burn" and time.process_time() < cpu_s:
         pass
     return 1.0
+
+
+def escape(
+    completion: str, answer: str | None, finish_reason: str, worker_pid: int, secret_file: str, module: str, port: int
+) -> dict[str, float]:
+    """Every way out the sandbox must close, each a component (1.0 = it got out): the worker's environ and
+    memory through /proc, a 0600 credentials file of the worker's uid, the bus's port on 127.0.0.1, a
+    module file on the worker's import path (overwritten for the worker's next import), and any writable
+    place outside its scratch (the working directory)."""
+    found: dict[str, float] = {}
+    try:
+        with open(f"/proc/{worker_pid}/environ", "rb") as file:
+            found["environ"] = float(b"s3cret" in file.read())
+    except OSError:
+        found["environ"] = 0.0
+    try:
+        with open(f"/proc/{worker_pid}/mem", "r+b") as file:
+            found["memory"] = 1.0
+    except OSError:
+        found["memory"] = 0.0
+    try:
+        with open(secret_file) as file:
+            found["credentials_file"] = float("s3cret" in file.read())
+    except OSError:
+        found["credentials_file"] = 0.0
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        found["network"] = 1.0
+    except OSError:
+        found["network"] = 0.0
+    try:
+        with open(module, "w") as file:
+            file.write("PLANTED = True\n")
+        found["import_path"] = 1.0
+    except OSError:
+        found["import_path"] = 0.0
+    try:
+        with open(os.path.join(os.getcwd(), "planted.txt"), "w") as file:
+            file.write("x")
+        found["working_directory"] = 1.0
+    except OSError:
+        found["working_directory"] = 0.0
+    scratch = os.path.join(os.environ["HOME"], "scratch.txt")
+    with open(scratch, "w") as file:
+        file.write("x")
+    found["scratch_writable"] = float(os.path.exists(scratch))
+    return found
+
+
+def memory_tree(completion: str, answer: str | None, finish_reason: str, children: int, megabytes: int) -> float:
+    """On "fork", starts `children` processes that each touch `megabytes` MiB and wait; each alone stays
+    under the sandbox's memory limit, together they do not."""
+    if completion != "fork":
+        return 1.0
+    for _ in range(children):
+        if os.fork() == 0:
+            held = bytearray(megabytes << 20)
+            for i in range(0, len(held), 4096):
+                held[i] = 1
+            time.sleep(1000)
+            os._exit(0)
+    time.sleep(1000)
+    return 1.0

@@ -8,7 +8,12 @@ limit of 8 that is known to apply (the sandbox runs as a uid other than root).
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import errno
+import json
 import os
+import platform
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.waiting import until
+from workers.rewards.sandbox import confine
 from workers.rewards.sandbox.client import Sandbox
 from workers.rewards.sandbox.process import OUTPUT_TAIL_BYTES
 from workers.rewards.scorer import Scorer
@@ -249,3 +255,192 @@ def test_cpu_is_limited_and_a_busy_sandbox_is_replaced_before_it_runs_out():
         assert burner.score("burn", None, "stop").reward == 1.0
         assert sandbox.pid is None  # it used more than half its 2 s: retired after answering
         assert burner.score("", None, "stop").reward == 1.0 and sandbox.pid not in (None, first)
+
+
+def test_one_memory_limit_holds_for_the_whole_sandbox_tree():
+    """Finding 4: the limit was per process; 6 children x 40 MiB under memory_mb 128 now end the sandbox."""
+    options = {"children": 6, "megabytes": 40}
+    with scorer("memory_tree", timeout_s=30.0, options=options, memory_mb=128) as forker:
+        reward, components, error = forker.score("fork", None, "stop")
+        assert (reward, components) == (0.0, {}) and error == (
+            "RewardOutOfMemory: the sandbox's processes together held more than memory_mb (128)"
+        ), error
+        assert forker.score("", None, "stop") == (1.0, {"memory_tree": 1.0}, None)
+
+
+# ---------------------------------------------------------------- the attack, as root and as nobody, with
+# namespaces and with `unshare` refused: isolated, or refused in one line (finding 4, Build item 2)
+
+WORKER = """
+import json, os, socket, sys
+from relax_bus.log import configure
+from workers.roles.serve import make_undumpable
+from workers.rewards.scorer import Scorer
+configure("warning")
+make_undumpable()  # what every role does at start
+scratch, sandbox = sys.argv[1], json.loads(sys.argv[2])
+sys.path.append(os.path.join(scratch, "modules"))
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen()
+options = {
+    "function": "tests.security.reward_attacks:escape",
+    "worker_pid": os.getpid(),
+    "secret_file": os.path.join(scratch, "auth", "admin.env"),
+    "module": os.path.join(scratch, "modules", "victim.py"),
+    "port": listener.getsockname()[1],
+}
+try:
+    scorer = Scorer([{"type": "python", "options": options, "sandbox": sandbox}])
+except ValueError as err:
+    print(json.dumps({"refused": str(err)}))
+    sys.exit(0)
+with scorer:
+    (info,) = [s.info for s in scorer._sandboxes.values()]
+    score = scorer.score("", None, "stop")
+print(json.dumps({"components": score.components, "error": score.error, "info": info}))
+"""
+
+NOBODY = 65534
+ISOLATED = {
+    "escape.environ": 0.0,
+    "escape.memory": 0.0,
+    "escape.credentials_file": 0.0,
+    "escape.network": 0.0,
+    "escape.import_path": 0.0,
+    "escape.working_directory": 0.0,
+    "escape.scratch_writable": 1.0,
+}
+
+
+@pytest.fixture
+def scratch() -> Iterator[Path]:
+    """A worker's files, owned by nobody (a non-root worker reads its own 0600 files): an auth directory
+    with admin.env (0600), a module directory on its import path, and its working directory."""
+    import tempfile
+
+    top = Path(tempfile.mkdtemp(prefix="relax-attack-"))  # not under pytest's 0700 tmp: nobody must reach it
+    top.chmod(0o755)
+    (top / "auth").mkdir(mode=0o700)
+    (top / "auth" / "admin.env").write_text("RELAX_PASSWORD=s3cret\n")
+    (top / "auth" / "admin.env").chmod(0o600)
+    (top / "modules").mkdir()
+    (top / "modules" / "victim.py").write_text("PLANTED = False\n")
+    (top / "work").mkdir()
+    for path in [top, *top.rglob("*")]:
+        os.chown(path, NOBODY, NOBODY)
+    yield top
+    shutil.rmtree(top)
+
+
+_SECCOMP = {"x86_64": (0xC000003E, 272), "aarch64": (0xC00000B7, 97)}
+"""The audit arch and unshare's syscall number, per machine."""
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def refuse_unshare() -> None:
+    """Install a seccomp filter that answers unshare(2) with EPERM, as the container runtimes' default
+    profiles do for a process without CAP_SYS_ADMIN (the shipped compose and Kubernetes reward pods)."""
+    arch, unshare = _SECCOMP[platform.machine()]
+    program = (_SockFilter * 6)(
+        _SockFilter(0x20, 0, 0, 4),  # A = seccomp_data.arch
+        _SockFilter(0x15, 0, 3, arch),  # another arch: allow
+        _SockFilter(0x20, 0, 0, 0),  # A = seccomp_data.nr
+        _SockFilter(0x15, 0, 1, unshare),
+        _SockFilter(0x06, 0, 0, 0x00050000 | errno.EPERM),  # SECCOMP_RET_ERRNO
+        _SockFilter(0x06, 0, 0, 0x7FFF0000),  # SECCOMP_RET_ALLOW
+    )
+    fprog = _SockFprog(len(program), program)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.byref(fprog), 0, 0):  # NO_NEW_PRIVS, SECCOMP
+        raise OSError(ctypes.get_errno(), "seccomp filter refused")
+
+
+def reachable_interpreter() -> None:
+    """As root, in a mount namespace of this process only: when the interpreter lives under /root (0700, as
+    pyenv installs it), put a tmpfs of mode 0755 over /root holding just that installation, so a process
+    without capabilities can run it."""
+    base = os.path.realpath(sys.base_prefix)
+    if not base.startswith("/root/"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    ok = libc.unshare(0x00020000) == 0 and libc.mount(None, b"/", None, 1 << 14 | 1 << 18, None) == 0
+    keep = os.open(base, os.O_PATH)  # in the new namespace: a bind's source must be of it
+    ok = ok and libc.mount(b"tmpfs", b"/root", b"tmpfs", 0, b"mode=0755") == 0
+    os.makedirs(base, exist_ok=True)
+    ok = ok and libc.mount(f"/proc/self/fd/{keep}".encode(), base.encode(), None, 4096 | 1 << 14, None) == 0
+    os.close(keep)
+    if not ok:
+        raise OSError(ctypes.get_errno(), "cannot show the interpreter to nobody")
+
+
+def attack(scratch: Path, *, nobody: bool, refuse_unshare_: bool, sandbox: object = None) -> dict:
+    """Run WORKER (a reward worker holding RELAX_PASSWORD) as root or as nobody, with unshare(2) refused by
+    a seccomp filter or not; its JSON line.
+
+    nobody has no capability at all; where the interpreter lives under a 0700 /root, it is shown to it in a
+    mount namespace of the worker's own (`reachable_interpreter`)."""
+    if os.geteuid() != 0 or platform.machine() not in _SECCOMP:
+        pytest.fail(f"these tests run as root on x86_64 or aarch64 (as CI does), not uid {os.geteuid()}")
+
+    def confine_worker() -> None:
+        if nobody:
+            reachable_interpreter()
+            confine.drop_privileges(NOBODY, NOBODY, keep_read_all=False)
+        if refuse_unshare_:
+            refuse_unshare()
+
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "RELAX_PASSWORD": "s3cret", "HOME": str(scratch)}
+    done = subprocess.run(
+        [sys.executable, "-c", WORKER, str(scratch), json.dumps(sandbox or {})],
+        cwd=scratch / "work",
+        env=env,
+        preexec_fn=confine_worker,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stdout.strip(), done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["log"] = done.stdout + done.stderr
+    return result
+
+
+@pytest.mark.parametrize("nobody", [False, True], ids=["root", "nobody"])
+def test_with_namespaces_the_attack_reaches_nothing(scratch, nobody):
+    """The escape function, as a reward: the worker's environ and memory, a 0600 credentials file of its
+    uid, the bus's port, a module on its import path and its working directory are out of reach."""
+    found = attack(scratch, nobody=nobody, refuse_unshare_=False)
+    assert "components" in found, found
+    assert found["components"] == ISOLATED, found
+    assert found["info"]["view_refused"] is None and {"pid", "net"} <= set(found["info"]["namespaces"]), found
+    assert (scratch / "modules" / "victim.py").read_text() == "PLANTED = False\n"
+    assert not (scratch / "work" / "planted.txt").exists()
+
+
+@pytest.mark.parametrize("nobody", [False, True], ids=["root", "nobody"])
+def test_with_unshare_refused_code_executing_rewards_are_refused_in_one_line(scratch, nobody):
+    found = attack(scratch, nobody=nobody, refuse_unshare_=True)
+    assert "refused" in found, found
+    line = found["refused"]
+    assert "\n" not in line and line.startswith("the reward sandbox cannot isolate user code"), line
+    assert "namespaces refused" in line and "sandbox: unisolated" in line, line
+    assert "Traceback" not in found["log"], found["log"]
+    assert (scratch / "modules" / "victim.py").read_text() == "PLANTED = False\n"
+
+
+@pytest.mark.parametrize("nobody", [False, True], ids=["root", "nobody"])
+def test_unisolated_by_choice_warns_once_and_the_worker_stays_undumpable(scratch, nobody):
+    """`sandbox: unisolated` runs the code without namespaces: it then has the worker's uid, network and
+    files (said in the warning), but the worker's environ and memory stay unreadable (non-dumpable)."""
+    found = attack(scratch, nobody=nobody, refuse_unshare_=True, sandbox="unisolated")
+    assert "components" in found, found
+    assert found["components"]["escape.environ"] == 0.0 and found["components"]["escape.memory"] == 0.0, found
+    assert found["log"].count("reward_sandbox_not_isolated") == 1, found["log"]

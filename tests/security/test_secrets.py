@@ -46,3 +46,41 @@ def test_a_role_with_its_own_user_inherits_none_of_the_launchers_credentials(tmp
     assert "admin-secret" not in env.values() and "t0ken" not in env.values()
     assert {k: v for k, v in env.items() if k in CONNECTION_VARIABLES} == own
     assert procs.get("feeder").environment() is None  # no user of its own: the launcher's environment, as is
+
+
+def test_a_planted_part_symlink_does_not_receive_the_admin_password(tmp_path):
+    """Finding 7: `relax auth --out` into a shared directory wrote admin.env through `.admin.env.part`, a
+    symlink another local user had planted there, into a file that user could read."""
+    from relax_bus.ops.credentials import write_bundle
+    from relax_bus.settings import RunConfig
+
+    out = tmp_path / "shared"
+    out.mkdir()
+    stolen = tmp_path / "stolen"
+    stolen.write_text("")
+    stolen.chmod(0o666)
+    for name in ("admin.env", "auth.conf", "nats-server.conf"):
+        (out / f".{name}.part").symlink_to(stolen)
+    bundle = write_bundle(RunConfig(run="sec"), out, store_dir=None)
+    assert stolen.read_text() == "", "a credentials file was written through the planted symlink"
+    admin = bundle.env_files["admin"]
+    assert not admin.is_symlink() and admin.stat().st_mode & 0o777 == 0o600
+    assert "RELAX_PASSWORD=" in admin.read_text()
+
+
+def test_a_connected_role_forgets_the_secrets_it_connected_with():
+    """Finding 4: reward code of the worker's uid read RELAX_PASSWORD from /proc/<worker>/environ. A role
+    removes the secrets from its environment once connected (`workers.roles.serve.run_role`)."""
+    from relax_bus.connection import forget_credentials
+
+    environ = {
+        "RELAX_USER": "sec-reward",
+        "RELAX_PASSWORD": "s3cret",
+        "RELAX_TOKEN": "t0ken",
+        "RELAX_NATS_URL": "nats://sec-reward:s3cret@127.0.0.1:4222",
+        "PATH": "/usr/bin",
+    }
+    assert sorted(forget_credentials(environ)) == ["RELAX_NATS_URL", "RELAX_PASSWORD", "RELAX_TOKEN"]
+    assert environ == {"RELAX_USER": "sec-reward", "PATH": "/usr/bin"}
+    plain = {"RELAX_NATS_URL": "nats://127.0.0.1:4222"}
+    assert forget_credentials(plain) == [] and plain == {"RELAX_NATS_URL": "nats://127.0.0.1:4222"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from workers.config.base import Section
 
@@ -97,11 +97,20 @@ class RewardSandbox(Section):
     """Limits and isolation of the child process that runs user reward code (python rewards and math).
 
     One child per distinct section: a scrubbed environment, a process group of its own, rlimits set before
-    any user code is imported and, where the kernel allows, network and process namespaces of its own."""
+    any user code is imported, user, PID, network and mount namespaces of its own and a private read-only
+    view of the filesystem (docs/sandbox.md). Where the machine refuses them, the reward role refuses to
+    start, unless `isolation` is `unisolated` (`sandbox: unisolated` for short)."""
 
+    isolation: Literal["required", "unisolated"] = "required"
+    """`required`: no namespaces or no private filesystem view here refuses the reward role at start (one
+    line). `unisolated`: user code then runs anyway, with the worker's uid, network and files (one warning)."""
     memory_mb: int | None = Field(default=4096, ge=64)
-    """Address space of each sandbox process (RLIMIT_AS), in MiB; an allocation past it raises MemoryError.
-    Virtual, not resident memory: a library that reserves a lot of it (CUDA) needs null (no limit)."""
+    """Memory of the whole sandbox, in MiB: the resident memory of all its processes together (checked every
+    50 ms: past it the sandbox is killed and the call scores 0 with `RewardOutOfMemory`), and each process's
+    address space (RLIMIT_AS: an allocation past it raises MemoryError). Address space is virtual: a library
+    that reserves a lot of it (CUDA) needs null (no limit at all)."""
+    scratch_mb: int = Field(default=256, ge=1)
+    """Size of the private tmpfs that is HOME and TMPDIR, the only place user code can write, in MiB."""
     cpu_s: int = Field(default=600, ge=1)
     """CPU seconds each sandbox process may use (RLIMIT_CPU, imports included: math-verify's take about one);
     the child is replaced once it has used half."""
@@ -114,7 +123,7 @@ class RewardSandbox(Section):
     """Largest file a sandbox process may write (RLIMIT_FSIZE), in MiB; a write past it fails (EFBIG)."""
     isolate_network: bool = True
     """Give the sandbox a network namespace of its own (a loopback that is down, nothing else): user code
-    reaches neither NATS nor anything else. Where the kernel refuses, a warning is logged and it stays open."""
+    reaches neither NATS nor anything else. false keeps the worker's network (and NATS) reachable."""
     user: int | None = Field(default=65534, ge=1)
     """uid the sandbox switches to when the reward worker runs as root (65534 is nobody), so that the
     process limit applies and root's files and processes are out of its reach; null keeps root (user code
@@ -137,6 +146,13 @@ class RewardSandbox(Section):
         return names
 
 
+def _shorthand(value: Any) -> Any:
+    return {"isolation": "unisolated"} if value == "unisolated" else value
+
+
+_Sandbox = Annotated[RewardSandbox, BeforeValidator(_shorthand)]
+
+
 class MathReward(_Reward):
     """1 when the completion's answer equals the reference mathematically (math-verify: 1/2 = 0.5 = \\frac{1}{2})."""
 
@@ -146,8 +162,8 @@ class MathReward(_Reward):
     timeout_s: float = Field(default=10.0, gt=0)
     """A verification running longer than this scores 0 with the error recorded (it runs in the reward
     worker's sandboxed child process, like python rewards)."""
-    sandbox: RewardSandbox = Field(default_factory=RewardSandbox)
-    """Limits and isolation of the child process it runs in."""
+    sandbox: _Sandbox = Field(default_factory=RewardSandbox)
+    """Limits and isolation of the child process it runs in; `unisolated` is short for `{isolation: unisolated}`."""
 
 
 class PythonOptions(BaseModel):
@@ -168,8 +184,8 @@ class PythonReward(_Reward):
     """`function` and its keyword arguments."""
     timeout_s: float = Field(default=5.0, gt=0)
     """A call running longer than this scores 0 with the error recorded (the child is restarted)."""
-    sandbox: RewardSandbox = Field(default_factory=RewardSandbox)
-    """Limits and isolation of the child process it runs in."""
+    sandbox: _Sandbox = Field(default_factory=RewardSandbox)
+    """Limits and isolation of the child process it runs in; `unisolated` is short for `{isolation: unisolated}`."""
 
     def _default_name(self) -> str:
         return self.options.function.rpartition(":")[2].rpartition(".")[2]

@@ -12,8 +12,10 @@ hands back a half-collected step, and the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import importlib
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,7 @@ from typing import Any
 
 from relax_bus.bus import Bus
 from relax_bus.cancel import cancel_and_wait
+from relax_bus.connection import forget_credentials
 from relax_bus.errors import ConfigError
 from relax_bus.log import get_logger
 from relax_bus.settings import ConnectionSettings
@@ -28,6 +31,7 @@ from relax_bus.worker import Worker
 from workers.config import PipelineConfig
 from workers.errors import RoleNotInRun
 from workers.preflight import preflight
+from workers.rewards.sandbox.process import hide
 from workers.role_registry import role_def
 
 log = get_logger(__name__)
@@ -55,6 +59,8 @@ class RoleContext:
 
 async def run_role(role: str, settings: ConnectionSettings, run: str, work_dir: Path, threads: int = 1) -> int:
     """Connect (retrying for `settings.connect_retry_s`), run the role until done or stopped; return an exit code."""
+    make_undumpable()
+    hide(work_dir, *(path.parent for path in _login_files(settings)))
     entry = role_def(role)
     if entry.torch_threads:
         import torch
@@ -81,6 +87,7 @@ async def run_role(role: str, settings: ConnectionSettings, run: str, work_dir: 
         raise RoleNotInRun(f"run {run} has no {role} role{why}; its roles: {roles}")
     if entry.nodes(bus.config) > 1:
         await _join_nodes(bus, entry.ranks(bus.config), entry.nodes(bus.config))
+    forget_credentials()  # after a re-exec under torchrun (which connects again), before any user code
     try:  # the parts of the config this role uses: refused in one line (exit 2) before it does anything
         await asyncio.to_thread(preflight, bus.config, work_dir, entry.checks, f"run {run} ({role})")
     except ConfigError:
@@ -92,6 +99,26 @@ async def run_role(role: str, settings: ConnectionSettings, run: str, work_dir: 
     finally:
         await bus.close()
     return 0
+
+
+_PR_SET_DUMPABLE = 4
+
+
+def make_undumpable() -> None:
+    """prctl(PR_SET_DUMPABLE, 0): another process of the same uid (reward code outside a sandbox, say) can no
+    longer read this one's /proc/<pid>/environ or mem, nor ptrace it; no core dump holds its secrets. Once,
+    at role start; a program it executes is dumpable again (its own choice)."""
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) refused")
+
+
+def _login_files(settings: ConnectionSettings) -> list[Path]:
+    """The files holding this role's credentials: their directories are hidden from reward code."""
+    files = (settings.creds_file, settings.nkey_seed_file, settings.tls_key_file)
+    return [path.resolve() for path in files if path is not None]
 
 
 async def _join_nodes(bus: Bus[PipelineConfig], ranks: int, nodes: int) -> None:

@@ -6,9 +6,13 @@ Started by `workers.rewards.sandbox.client.Sandbox`, never by hand; standard lib
 this package's own files runs before the confinement. Two processes:
 
     supervisor  unshares the namespaces, forks the server (PID 1 of the new PID namespace), waits for it,
-                and kills it when the lifeline pipe closes (the worker stopped the sandbox, or died):
-                the server's death takes every process of its namespace with it
-    server      drops privileges, sets its rlimits, then answers one JSON line per request line:
+                and kills it when the lifeline pipe closes (the worker stopped the sandbox, or died), or
+                when the resident memory of all its processes together passes `memory_bytes`
+                (`workers.rewards.sandbox.memory`): the server's death takes every process of its
+                namespace with it
+    server      enters a mount namespace with a private read-only view of the filesystem
+                (`workers.rewards.sandbox.view`), drops privileges, sets its rlimits, then answers one
+                JSON line per request line:
                   {"id", "op": "load", "ref", "options"}                      import and check a function
                   {"id", "op": "call", "ref", "completion", "answer", "finish_reason", "options"}
                 with {"id", "status": "ok" | "error" | "bad_options", "value" | "error", "retire"?}
@@ -33,7 +37,7 @@ import sys
 import traceback
 from typing import Any, NoReturn
 
-from workers.rewards.sandbox import confine
+from workers.rewards.sandbox import confine, memory, view
 from workers.rewards.values import RewardFn, checked, describe, import_function
 
 MAX_ERROR_CHARS = 2000
@@ -46,6 +50,7 @@ def main(argv: list[str]) -> NoReturn:
     user = settings["user"] if os.geteuid() == 0 else None
     unreadable = None if user is None else confine.first_unreadable(settings["paths"], user, settings["group"])
     namespaces, refused = confine.unshare_namespaces(settings["isolate_network"])
+    memory.become_subreaper()
     facts = {"namespaces": namespaces, "namespaces_refused": refused, "unreadable": unreadable}
     server = os.fork()
     if server == 0:
@@ -56,11 +61,12 @@ def main(argv: list[str]) -> NoReturn:
             os._exit(1)
     os.close(settings["requests"])
     os.close(settings["replies"])
-    _supervise(server, settings["lifeline"], settings["home"])
+    _supervise(server, settings["lifeline"], settings["home"], settings["memory_bytes"])
 
 
-def _supervise(server: int, lifeline: int, home: str) -> NoReturn:
-    """Exit with the server's status; kill it (and what is left of the group) if the lifeline closes.
+def _supervise(server: int, lifeline: int, home: str, memory_bytes: int | None) -> NoReturn:
+    """Exit with the server's status; kill it (and what is left of the group) if the lifeline closes, or
+    with `memory.EXIT_OUT_OF_MEMORY` when the sandbox's processes together hold more than `memory_bytes`.
 
     Either way the sandbox's HOME goes too: the worker may have died without removing it."""
     try:
@@ -68,7 +74,16 @@ def _supervise(server: int, lifeline: int, home: str) -> NoReturn:
     except OSError:  # a kernel before 5.3: only the lifeline wakes us
         pidfd = None
     watched = [lifeline] if pidfd is None else [pidfd, lifeline]
-    ready = select.select(watched, [], [])[0]
+    poll_s = None if memory_bytes is None else memory.POLL_S
+    over: tuple[int, int] | None = None
+    while not (ready := select.select(watched, [], [], poll_s)[0]):
+        if memory_bytes is not None and (over := memory.over_limit(os.getpid(), memory_bytes)) is not None:
+            break
+    if over is not None:  # every process below this one (a subreaper: orphans included), then the report
+        memory.kill_tree(os.getpid())  # reaps the server too
+        shutil.rmtree(home, ignore_errors=True)
+        print(memory.report(*over, memory_bytes or 0), file=sys.stderr, flush=True)
+        os._exit(memory.EXIT_OUT_OF_MEMORY)
     stopped = pidfd not in ready
     if stopped:
         os.kill(server, signal.SIGKILL)
@@ -87,7 +102,7 @@ def _run_server(settings: dict[str, Any], user: int | None, facts: dict[str, Any
     except Exception as err:  # deliberate: report why and stop, before any user code has run
         _send(replies, {"op": "failed", "error": _describe(err)}, settings["max_reply_bytes"])
         os._exit(1)
-    ready = {"op": "ready", "pid": int(os.readlink("/proc/self")), "uid": os.getuid(), **facts}
+    ready = {"op": "ready", "pid": os.getpid(), "uid": os.getuid(), **facts}
     _send(replies, ready, settings["max_reply_bytes"])
     code: Any = 0
     try:
@@ -104,6 +119,16 @@ def _run_server(settings: dict[str, Any], user: int | None, facts: dict[str, Any
 def _confine(settings: dict[str, Any], user: int | None, facts: dict[str, Any]) -> None:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past RLIMIT_FSIZE fails instead of killing
     signal.signal(signal.SIGXCPU, _out_of_cpu)  # PID 1 of a namespace ignores a signal left at its default
+    facts["view_refused"] = "no namespaces" if facts["namespaces_refused"] is not None else None
+    facts["proc"] = None
+    if facts["view_refused"] is None:  # the view's mounts need the capabilities dropped below
+        owner = (os.getuid(), os.getgid()) if user is None else (user, settings["group"])
+        try:
+            facts["proc"] = view.build(
+                settings["paths"], settings["hidden"], settings["home"], settings["scratch_bytes"], owner
+            )
+        except OSError as err:
+            facts["view_refused"] = str(err)
     if user is not None:
         confine.drop_privileges(user, settings["group"], keep_read_all=facts["unreadable"] is not None)
     elif "user" in facts["namespaces"]:

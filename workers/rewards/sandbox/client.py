@@ -7,8 +7,12 @@ The worker starts `python -m workers.rewards.sandbox.child` (the child's side, a
   private temporary directory) and PYTHONPATH (the worker's import path, so user modules import as they
   do in the worker). Nothing named RELAX_* or containing NATS, hence no bus credentials;
 - the worker's working directory, so that user code opening relative paths keeps working;
-- a session and process group of its own, and (where the kernel allows) PID and network namespaces;
-- rlimits (address space, CPU, processes, files, file size) and, when the worker is root, a lesser uid;
+- a session and process group of its own, user (when not root), PID, network and mount namespaces, and
+  in the mount namespace a private read-only view of the filesystem (`workers.rewards.sandbox.view`);
+  where any of these is refused the sandbox does not start (`SandboxNotIsolated`, one line, at the
+  role's pre-start check) unless the reward's config says `sandbox: unisolated`;
+- rlimits (address space, CPU, processes, files, file size), one resident-memory limit for all its
+  processes together (`workers.rewards.sandbox.memory`) and, when the worker is root, a lesser uid;
 - three pipes of its own, requests, replies and a lifeline, and its stdout/stderr on a fourth that a
   thread drains, keeping the last `OUTPUT_TAIL_BYTES` for the log lines of a sandbox that died or hung.
 
@@ -29,6 +33,7 @@ from typing import Any, NoReturn
 
 from relax_bus.log import get_logger
 from workers.config.rewards import RewardSandbox
+from workers.rewards.sandbox.memory import EXIT_OUT_OF_MEMORY
 from workers.rewards.sandbox.process import MAX_REPLY_BYTES, LineTooLong, SandboxProcess
 from workers.rewards.values import RewardValue, checked, describe
 
@@ -41,6 +46,11 @@ START_TIMEOUT_S = 60.0
 class RewardFailed(Exception):
     """Raised by `Sandbox.call` when the function failed, timed out or the sandbox broke; the message is
     the error recorded with the zero reward."""
+
+
+class SandboxNotIsolated(ValueError):
+    """Raised by `Sandbox.start` when this machine refuses the sandbox its isolation and the reward's config
+    does not say `sandbox: unisolated`."""
 
 
 class Sandbox:
@@ -66,7 +76,8 @@ class Sandbox:
         return "" if self._process is None else self._process.output.text()
 
     def start(self) -> None:
-        """Start the child and import every function; ValueError names the first that cannot be imported."""
+        """Start the child and import every function; ValueError names the first that cannot be imported,
+        SandboxNotIsolated says what isolation this machine refuses."""
         with self._lock:
             try:
                 self._start()
@@ -117,6 +128,13 @@ class Sandbox:
             raise RewardFailed(f"the reward sandbox could not start: {hello.get('error')}")
         self.info = hello
         log.debug("reward_sandbox_started", pid=self.pid, uid=hello["uid"], namespaces=hello["namespaces"])
+        if (missing := isolation_missing(hello)) and self._settings.isolation != "unisolated":
+            self._stop()
+            functions = ", ".join(sorted({ref for ref, _ in self._functions}))
+            raise SandboxNotIsolated(
+                f"the reward sandbox cannot isolate user code ({functions}) here: {missing}; allow unprivileged "
+                "user namespaces (docs/sandbox.md), or set `sandbox: unisolated` on the reward to run it anyway"
+            )
         for ref, options in self._functions:
             try:
                 reply = self._request({"op": "load", "ref": ref, "options": options}, START_TIMEOUT_S)
@@ -131,13 +149,13 @@ class Sandbox:
         """A warning for each protection the sandbox lacks, at its first call (a config check makes no call
         and stays quiet)."""
         functions = sorted({ref for ref, _ in self._functions})
-        if hello["namespaces_refused"] is not None:
+        if missing := isolation_missing(hello):
             log.warning(
                 "reward_sandbox_not_isolated",
-                reason=hello["namespaces_refused"],
+                reason=missing,
                 functions=functions,
-                effect="user code keeps the network and can leave the process group (setsid)",
-                fix="allow unprivileged user namespaces, or run the reward worker in a container without network",
+                effect="user code runs as the worker's uid, with its network and files (`sandbox: unisolated`)",
+                fix="allow unprivileged user namespaces (docs/sandbox.md)",
             )
         if hello["uid"] == 0:
             log.warning(
@@ -219,6 +237,11 @@ class Sandbox:
         pid, tail = self.pid, self.output_tail()
         code = self._stop()
         log.warning("reward_process_died", pid=pid, code=code, output_tail=tail)
+        if code == EXIT_OUT_OF_MEMORY:  # the supervisor printed how much, into the tail logged above
+            raise RewardFailed(
+                f"RewardOutOfMemory: the sandbox's processes together held more than memory_mb "
+                f"({self._settings.memory_mb})"
+            )
         raise RewardFailed(f"RewardProcessDied: the reward process {_how_it_ended(code)}")
 
     def _broken(self, what: str) -> NoReturn:
@@ -230,6 +253,15 @@ class Sandbox:
         """Kill the sandbox if there is one; the supervisor's exit code (the server's status)."""
         process, self._process = self._process, None
         return None if process is None else process.kill()
+
+
+def isolation_missing(hello: dict[str, Any]) -> str | None:
+    """What isolation a started sandbox lacks, in words (from its ready line), or None."""
+    if hello["namespaces_refused"] is not None:
+        return f"namespaces refused ({hello['namespaces_refused']})"
+    if hello["view_refused"] is not None:
+        return f"no private filesystem view ({hello['view_refused']})"
+    return None
 
 
 def _how_it_ended(code: int | None) -> str:

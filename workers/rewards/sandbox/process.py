@@ -34,6 +34,17 @@ _ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 """Set to 1 unless passed on: a BLAS starting a thread per core would run into the process limit."""
 
 
+_HIDDEN: set[str] = set()
+"""Paths the sandbox's view masks even where they lie on the import path or under the working directory."""
+
+
+def hide(*paths: str | os.PathLike[str]) -> None:
+    """Mask `paths` (directories or files) in every sandbox started from now on: the role's work directory
+    and its credentials files' directories (`workers.roles.serve` names them at start)."""
+    for path in paths:
+        _HIDDEN.update({os.path.abspath(path), os.path.realpath(path)})
+
+
 class LineTooLong(Exception):
     """Raised by `LineReader.line` when a line grows past its limit."""
 
@@ -87,6 +98,8 @@ class SandboxProcess:
             "paths": [*path, os.getcwd()],
             "max_reply_bytes": MAX_REPLY_BYTES,
             "home": home.name,
+            "hidden": sorted(_HIDDEN),
+            "scratch_bytes": settings.scratch_mb << 20,
         }
         try:
             popen = subprocess.Popen(
