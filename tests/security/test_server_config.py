@@ -5,6 +5,7 @@ asked for, account limits and payload bound, nkey logins, authenticated cluster 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import re
 import shlex
@@ -410,3 +411,36 @@ def test_compose_cluster_routes_are_authenticated(tmp_path):
     assert password and len(password.group(1)) >= 32, text
     for peer in ("nats", "nats-2", "nats-3"):
         assert f"nats-route://route:{password.group(1)}@{peer}:6222" in text
+
+
+# ---------------------------------------------------------------- listeners stay where they are told
+
+
+def listening_on(port: int) -> set[str]:
+    """The local addresses of every TCP socket of this machine listening on `port` (from /proc/net/tcp{,6})."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            host, hex_port = local.split(":")
+            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(host)
+            # The kernel prints each 32-bit word in host (little-endian) order.
+            words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            out.add(str(ipaddress.ip_address(words)))
+    return out
+
+
+def test_the_broadcast_weights_store_listens_on_the_host_it_is_given_only():
+    """torch's `TCPStore(host, ..., is_master=True)` listened on every interface even when given 127.0.0.1: any
+    host that reached the port could join the rounds or write the store."""
+    from workers.weights.broadcast import Sender
+
+    sender = Sender("127.0.0.1", 0, timeout_s=5.0, bucket_mb=1, verify=False)
+    try:
+        assert listening_on(sender.address["port"]) == {"127.0.0.1"}
+        sender.store.set("k", "v")  # and it serves
+        assert sender.store.get("k") == b"v"
+    finally:
+        del sender
