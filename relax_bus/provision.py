@@ -254,6 +254,7 @@ async def provision(js: JetStreamContext, config: RunConfig) -> ProvisionReport:
         await _apply_stream(js, topology, s, report)
     for c in topology.consumers:
         await _apply_consumer(js, topology, c, report)
+    await sweep_hops(js, topology)
     for b in topology.buckets:
         await _apply_bucket(js, topology, b, config, report)
     for o in topology.object_stores:
@@ -261,6 +262,34 @@ async def provision(js: JetStreamContext, config: RunConfig) -> ProvisionReport:
     state = await js.key_value(topology.bucket("state"))
     await state.put(CONFIG_KEY, config.model_dump_json().encode())
     return report
+
+
+async def sweep_hops(js: JetStreamContext, topology: Topology) -> dict[str, int]:
+    """Purge from every hop the messages under any subject but the hop's own; the count purged, by subject.
+
+    A hop's stream listens on its subject only, yet a push consumer that delivers to that subject puts messages
+    into it under their original subjects (nats-server does not check delivery subjects against permissions).
+    Its filtered durable never sees them, and a work queue keeps a message until it is acked, so they would hold
+    the hop full (discard=new) for good. An age limit would remove them too, but also real work that waited
+    that long, with no dead letter and no credit: the run would wait forever for groups that are gone. Purging
+    by subject removes only what no consumer of the run can ever read. Admin only (purge); `provision` sweeps,
+    and so may whoever holds the admin's credentials during a run."""
+    purged: dict[str, int] = {}
+    for key in topology.subject_keys:
+        spec = topology.stream(key)
+        if spec.retention != "workqueue":
+            continue
+        try:
+            info = await js.stream_info(spec.name, subjects_filter=">")
+        except nats.js.errors.NotFoundError:
+            continue
+        for subject, count in (info.state.subjects or {}).items():
+            if subject != spec.subject:
+                await js.purge_stream(spec.name, subject=subject)
+                purged[subject] = count
+    if purged:
+        log.warning("hop_foreign_messages_purged", purged=sum(purged.values()), subjects=len(purged))
+    return purged
 
 
 async def delete_run(js: JetStreamContext, config: RunConfig) -> list[str]:

@@ -30,6 +30,7 @@ from tests import factories as f
 from tests.bus.test_auth import Secured, provisioned, secured  # noqa: F401 (`secured` is a fixture)
 from tests.bus.test_publish import read_all
 from tests.conftest import run_config
+from tests.waiting import holds, until
 from workers.config import parse_config
 
 MiB = 1 << 20
@@ -380,3 +381,46 @@ async def test_a_stream_refuses_consumers_past_its_bound(make_bus):
             await bus.js.add_consumer(stream, api.ConsumerConfig(ack_policy=api.AckPolicy.NONE))
             made += 1
     assert made + durables == 4
+
+
+@pytest.mark.bus
+async def test_foreign_subject_messages_in_a_hop_do_not_keep_the_feeder_refused(make_bus):
+    """The attack of the observer's amplification loop: a push consumer delivering into the prompts hop's subject
+    filled the hop with messages under other subjects, which its filtered durable never sees and which never age
+    out; the feeder was refused for good. `sweep_hops` purges exactly those subjects."""
+    import asyncio
+
+    from relax_bus.kv_counter import KvCounter
+    from relax_bus.provision import sweep_hops
+    from workers.roles.feeder import feed
+    from workers.state_keys import FEEDER_CURSOR, TRAINER_DONE
+
+    bus = await make_bus(groups_per_step=2, bus={"hop_max_msgs": 4}, task={"type": "addition"}, trainer={"steps": 1})
+    hop = bus.topology.stream("prompts")
+    for i in range(4):
+        await bus.workers.put(f"flood.k{i}", b"x")
+    # What any role could do before roles lost consumer creation: a push consumer delivering into the hop.
+    await bus.js.add_consumer(
+        f"KV_{bus.topology.bucket('workers')}",
+        api.ConsumerConfig(deliver_subject=hop.subject, ack_policy=api.AckPolicy.NONE, filter_subject="$KV.*.flood.>"),
+    )
+    await until(lambda: stored(bus, "prompts"), lambda s: s[0] == 4, 10, "the hop full of foreign messages")
+
+    async def released() -> int:
+        return (await KvCounter(bus.state, FEEDER_CURSOR).get())[0]
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(feed(bus, stop))
+    try:
+        await holds(released, lambda n: n == 0, 1.0, "the feeder refused by the full hop")
+        purged = await sweep_hops(bus.js, bus.topology)
+        assert sum(purged.values()) == 4 and hop.subject not in purged
+        await until(released, lambda n: n == 2, 30, "the feeder's releases")
+        await bus.state.put(TRAINER_DONE, b"1")
+        await asyncio.wait_for(task, 10)
+    finally:
+        stop.set()
+        if not task.done():
+            task.cancel()
+    assert await sweep_hops(bus.js, bus.topology) == {}  # the hop's own messages stay
+    assert (await stored(bus, "prompts"))[0] == 2
