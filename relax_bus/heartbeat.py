@@ -153,24 +153,28 @@ def beat_for_key(key: str, value: bytes, max_bytes: int = MAX_HEARTBEAT_BYTES) -
     the value is too large or unreadable, or it names another role or worker than its key."""
     shape = KEY.match(key)
     if shape is None:
-        return _skip(key, "heartbeat_key_refused", "not <role>.<worker id>")
+        _skip(key, "heartbeat_key_refused", "not <role>.<worker id>")
+        return None
     if len(value) > max_bytes:
-        return _skip(key, "heartbeat_too_large", f"{len(value)} bytes > {max_bytes}")
+        _skip(key, "heartbeat_too_large", f"{len(value)} bytes > {max_bytes}")
+        return None
     try:
         beat = read_heartbeat(value)
     except Exception:  # tolerated: a foreign or old entry in the bucket is not a worker
-        return _skip(key, "heartbeat_unreadable", json.dumps(value[:60].decode(errors="replace")))
+        _skip(key, "heartbeat_unreadable", json.dumps(value[:60].decode(errors="replace")))
+        return None
     if (beat.role, beat.worker_id) != (shape["role"], shape["worker_id"]):
-        return _skip(key, "heartbeat_forged", f"value claims {beat.role}.{beat.worker_id}")
+        _skip(key, "heartbeat_forged", f"value claims {beat.role}.{beat.worker_id}")
+        return None
     return beat
 
 
 def _skip(key: str, event: str, why: str) -> None:
+    """Log a skipped key once."""
     if key not in _reported:
         if len(_reported) < 4096:  # bounded: a flood of keys cannot grow it without end
             _reported.add(key)
         log.warning(event, key=key[:120], why=why[:200])
-    return None
 
 
 async def live_workers(kv: KeyValue, max_bytes: int = MAX_HEARTBEAT_BYTES) -> list[WorkerHeartbeat]:

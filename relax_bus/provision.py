@@ -120,8 +120,8 @@ async def _apply_stream(js: JetStreamContext, t: Topology, s: StreamSpec, report
     for what, old, new in fixed:
         if old != new:
             raise TopologyConflict(f"stream {s.name} exists with {what} {old}, the config asks for {new}")
-    limits = ("max_msgs", "max_bytes", "max_age", "max_msg_size", "max_consumers", "discard", "duplicate_window")
-    limits += ("num_replicas",)
+    limits = ("max_msgs", "max_bytes", "max_age", "max_msg_size", "max_consumers", "discard", "duplicate_window",
+              "num_replicas")  # fmt: skip
     if have.allow_direct and all(
         _close(getattr(have, k), getattr(want, k)) if k != "discard" else have.discard == want.discard for k in limits
     ):
