@@ -1,7 +1,13 @@
 """Worker liveness: every worker rewrites its own heartbeat in a TTL bucket.
 
 A worker that stops writing (crashed, hung, partitioned) disappears when its entry ages out; no
-controller clock is involved. Keys are `<role>.<worker_id>`.
+controller clock is involved. Keys are exactly `<role>.<worker_id>`.
+
+A role's user may write any key under its own role (`$KV.<bucket>.<role>.>`), so readers trust nothing but
+the key's shape and the value's agreement with it: `live_workers` skips a key of any other shape, a value
+larger than the bucket's largest heartbeat, and a value whose role or worker id differs from its key's (a
+worker of one role passing as another worker, or as another role), with one log line per such key. The
+bucket itself bounds the value and the total (`bus.heartbeat_max_bytes`, `bus.workers_max_bytes`).
 
 Values are JSON text, so `nats kv get relax_<run>_workers <key>` shows them as they are. Heartbeats
 were msgpack (the message bodies' format) before: `read_heartbeat` still reads such an entry, so a
@@ -13,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -31,6 +38,12 @@ log = get_logger(__name__)
 
 REMOVE_WAIT_S = 2.0
 """How long a stopping writer waits for its entry's removal before leaving it to its TTL."""
+MAX_HEARTBEAT_BYTES = 64 * 1024
+"""Largest value a reader decodes when the bucket's own bound is not known (the bucket refuses larger ones)."""
+KEY = re.compile(r"^(?P<role>[a-z][a-z0-9_]{0,31})\.(?P<worker_id>[A-Za-z0-9_\-.=/]{1,200})$")
+"""A heartbeat key: a role name (`relax_bus.chain.Role`), a dot, a worker id."""
+_reported: set[str] = set()
+"""Keys already logged as skipped (one line each, whatever the polling rate)."""
 
 
 def process_heartbeat(
@@ -127,21 +140,51 @@ class HeartbeatWriter:
                 deleting.result()
 
 
-async def live_workers(kv: KeyValue) -> list[WorkerHeartbeat]:
-    """Heartbeats of every worker whose entry has not expired, sorted by role then id."""
+def heartbeat_key(role: str, worker_id: str) -> str:
+    """The key of a worker's heartbeat; ValueError for a role or id a reader would not accept."""
+    key = f"{role}.{worker_id}"
+    if KEY.match(key) is None:
+        raise ValueError(f"heartbeat key {key!r} is not <role>.<worker id>")
+    return key
+
+
+def beat_for_key(key: str, value: bytes, max_bytes: int = MAX_HEARTBEAT_BYTES) -> WorkerHeartbeat | None:
+    """The heartbeat stored under `key`, or None (one log line per key) when the key is not `<role>.<worker id>`,
+    the value is too large or unreadable, or it names another role or worker than its key."""
+    shape = KEY.match(key)
+    if shape is None:
+        _skip(key, "heartbeat_key_refused", "not <role>.<worker id>")
+        return None
+    if len(value) > max_bytes:
+        _skip(key, "heartbeat_too_large", f"{len(value)} bytes > {max_bytes}")
+        return None
+    try:
+        beat = read_heartbeat(value)
+    except Exception:  # tolerated: a foreign or old entry in the bucket is not a worker
+        _skip(key, "heartbeat_unreadable", json.dumps(value[:60].decode(errors="replace")))
+        return None
+    if (beat.role, beat.worker_id) != (shape["role"], shape["worker_id"]):
+        _skip(key, "heartbeat_forged", f"value claims {beat.role}.{beat.worker_id}")
+        return None
+    return beat
+
+
+def _skip(key: str, event: str, why: str) -> None:
+    """Log a skipped key once."""
+    if key not in _reported:
+        if len(_reported) < 4096:  # bounded: a flood of keys cannot grow it without end
+            _reported.add(key)
+        log.warning(event, key=key[:120], why=why[:200])
+
+
+async def live_workers(kv: KeyValue, max_bytes: int = MAX_HEARTBEAT_BYTES) -> list[WorkerHeartbeat]:
+    """Heartbeats of every worker whose entry has not expired and agrees with its key, sorted by role then id."""
     beats = []
     for key in await kv_keys(kv):
         try:
             entry = await kv.get(key)
         except nats.js.errors.KeyNotFoundError:
             continue  # expired between keys() and get()
-        if entry.value:
-            try:
-                beats.append(read_heartbeat(entry.value))
-            except Exception:  # tolerated: a foreign or old entry in the bucket is not a worker
-                log.debug(
-                    "heartbeat_unreadable",
-                    key=key,
-                    value=json.dumps(entry.value[:60].decode(errors="replace")),
-                )
+        if entry.value and (beat := beat_for_key(key, entry.value, max_bytes)) is not None:
+            beats.append(beat)
     return sorted(beats, key=lambda b: (b.role, b.worker_id))

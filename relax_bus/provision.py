@@ -1,8 +1,9 @@
 """Applying a run's topology to a server, idempotently, and keeping the run config in KV.
 
-`provision` creates what is missing, updates limits that may change (a stream's bounds and largest
-message, an object store's bytes and age), and refuses (TopologyConflict) anything that cannot change
-under a live run: a stream's retention or storage, or a run setting outside `settings.TUNABLE`.
+`provision` creates what is missing, updates limits that may change (a stream's bounds, largest message and
+consumer count, a bucket's bytes and largest value, an object store's bytes and age: a run made before a bound
+existed gets it), and refuses (TopologyConflict) anything that cannot change under a live run: a stream's
+retention or storage, or a run setting outside `settings.TUNABLE`.
 
 JetStream reserves every byte bound on the server's disk (or memory) when the stream is created, so a
 run that asks for more than the server has left is refused at once, with the settings to lower.
@@ -25,7 +26,15 @@ from pydantic import ValidationError
 from relax_bus.errors import ConfigError, ProvisionFailed, RunNotFound, TopologyConflict
 from relax_bus.log import get_logger
 from relax_bus.settings import C, RunConfig, incompatible_changes, validation_problems
-from relax_bus.topology import ConsumerSpec, ObjectStoreSpec, StreamSpec, Topology, build_topology, state_bucket
+from relax_bus.topology import (
+    BucketSpec,
+    ConsumerSpec,
+    ObjectStoreSpec,
+    StreamSpec,
+    Topology,
+    build_topology,
+    state_bucket,
+)
 
 log = get_logger(__name__)
 
@@ -51,6 +60,8 @@ def _stream_config(s: StreamSpec) -> api.StreamConfig:
         max_bytes=s.max_bytes,
         max_age=s.max_age_s,
         max_msg_size=s.max_msg_size,
+        max_consumers=s.max_consumers,
+        allow_direct=True,
         discard=api.DiscardPolicy.NEW if s.discard == "new" else api.DiscardPolicy.OLD,
         duplicate_window=s.duplicate_window_s,
         storage=api.StorageType.FILE if s.storage == "file" else api.StorageType.MEMORY,
@@ -110,11 +121,9 @@ async def _apply_stream(js: JetStreamContext, t: Topology, s: StreamSpec, report
     for what, old, new in fixed:
         if old != new:
             raise TopologyConflict(f"stream {s.name} exists with {what} {old}, the config asks for {new}")
-    limits = (
-        *("max_msgs", "max_bytes", "max_age", "max_msg_size", "discard", "duplicate_window", "num_replicas"),
-        "allow_direct",
-    )
-    if all(
+    limits = ("max_msgs", "max_bytes", "max_age", "max_msg_size", "max_consumers", "discard", "duplicate_window",
+              "num_replicas")  # fmt: skip
+    if have.allow_direct and all(
         _close(getattr(have, k), getattr(want, k)) if k != "discard" else have.discard == want.discard for k in limits
     ):
         report.unchanged.append(s.name)
@@ -129,7 +138,8 @@ async def _apply_stream(js: JetStreamContext, t: Topology, s: StreamSpec, report
 async def _apply_store(
     js: JetStreamContext, t: Topology, o: ObjectStoreSpec, config: RunConfig, report: ProvisionReport
 ) -> None:
-    """Create an object store with its limits, or bring an existing one's byte bound and age to the config's.
+    """Create an object store with its limits, or bring an existing one's byte bound, age and consumer count to
+    the config's (nats-py creates a store without a consumer bound: it is set right after).
 
     Lowering a store's byte bound below what it holds keeps its objects (discard=new only refuses new ones)."""
     stream = OBJ_STREAM_TEMPLATE.format(bucket=o.name)
@@ -145,19 +155,64 @@ async def _apply_store(
         )
         try:
             await js.create_object_store(o.name, config=store)
+            have = (await js.stream_info(stream)).config
         except nats.js.errors.APIError as err:
             raise _refused(err, t, what, o.max_bytes, o.bytes_setting) from None
         report.created.append(o.name)
+    consumers = config.bus.max_consumers
+    same = _close(have.max_bytes, o.max_bytes) and _close(have.max_age, o.max_age_s)
+    if same and have.max_consumers == consumers and have.allow_direct:
+        if o.name not in report.created:
+            report.unchanged.append(o.name)
         return
-    if _close(have.max_bytes, o.max_bytes) and _close(have.max_age, o.max_age_s):
-        report.unchanged.append(o.name)
-        return
-    have.max_bytes, have.max_age = o.max_bytes, o.max_age_s
+    have.max_bytes, have.max_age, have.max_consumers, have.allow_direct = o.max_bytes, o.max_age_s, consumers, True
     try:
         await js.update_stream(have)
     except nats.js.errors.APIError as err:
         raise _refused(err, t, what, o.max_bytes, o.bytes_setting) from None
-    report.updated.append(o.name)
+    if o.name not in report.created:
+        report.updated.append(o.name)
+
+
+async def _apply_bucket(
+    js: JetStreamContext, t: Topology, b: BucketSpec, config: RunConfig, report: ProvisionReport
+) -> None:
+    """Create a KV bucket with its bounds, or bring an existing one's bytes, largest value and consumers to the
+    config's (a bucket created before it had bounds gets them here)."""
+    stream = f"KV_{b.name}"
+    try:
+        have = (await js.stream_info(stream)).config
+    except nats.js.errors.NotFoundError:
+        try:
+            await js.create_key_value(
+                bucket=b.name,
+                history=b.history,
+                ttl=b.ttl_s,
+                max_bytes=b.max_bytes,
+                max_value_size=b.max_value_size,
+                storage=api.StorageType.FILE if config.bus.storage == "file" else api.StorageType.MEMORY,
+                replicas=config.bus.replicas,
+                direct=True,
+                # With a TTL, expiry leaves a marker so watchers see a vanished worker as a purge.
+                limit_marker_ttl=b.ttl_s,
+            )
+            have = (await js.stream_info(stream)).config
+        except nats.js.errors.APIError as err:
+            raise _refused(err, t, f"KV bucket {b.name}", b.max_bytes, b.bytes_setting) from None
+        report.created.append(b.name)
+    consumers = config.bus.max_consumers
+    want = (b.max_bytes, b.max_value_size, consumers)
+    if (have.max_bytes, have.max_msg_size, have.max_consumers) == want and have.allow_direct:
+        if b.name not in report.created:
+            report.unchanged.append(b.name)
+        return
+    have.max_bytes, have.max_msg_size, have.max_consumers, have.allow_direct = (*want, True)
+    try:
+        await js.update_stream(have)
+    except nats.js.errors.APIError as err:
+        raise _refused(err, t, f"KV bucket {b.name}", b.max_bytes, b.bytes_setting) from None
+    if b.name not in report.created:
+        report.updated.append(b.name)
 
 
 async def _apply_consumer(js: JetStreamContext, t: Topology, c: ConsumerSpec, report: ProvisionReport) -> None:
@@ -200,27 +255,42 @@ async def provision(js: JetStreamContext, config: RunConfig) -> ProvisionReport:
         await _apply_stream(js, topology, s, report)
     for c in topology.consumers:
         await _apply_consumer(js, topology, c, report)
-    storage = api.StorageType.FILE if config.bus.storage == "file" else api.StorageType.MEMORY
+    await sweep_hops(js, topology)
     for b in topology.buckets:
-        try:
-            await js.key_value(b.name)
-            report.unchanged.append(b.name)
-        except nats.js.errors.BucketNotFoundError:
-            await js.create_key_value(
-                bucket=b.name,
-                history=b.history,
-                ttl=b.ttl_s,
-                storage=storage,
-                replicas=config.bus.replicas,
-                # With a TTL, expiry leaves a marker so watchers see a vanished worker as a purge.
-                limit_marker_ttl=b.ttl_s,
-            )
-            report.created.append(b.name)
+        await _apply_bucket(js, topology, b, config, report)
     for o in topology.object_stores:
         await _apply_store(js, topology, o, config, report)
     state = await js.key_value(topology.bucket("state"))
     await state.put(CONFIG_KEY, config.model_dump_json().encode())
     return report
+
+
+async def sweep_hops(js: JetStreamContext, topology: Topology) -> dict[str, int]:
+    """Purge from every hop the messages under any subject but the hop's own; the count purged, by subject.
+
+    A hop's stream listens on its subject only, yet a push consumer that delivers to that subject puts messages
+    into it under their original subjects (nats-server does not check delivery subjects against permissions).
+    Its filtered durable never sees them, and a work queue keeps a message until it is acked, so they would hold
+    the hop full (discard=new) for good. An age limit would remove them too, but also real work that waited
+    that long, with no dead letter and no credit: the run would wait forever for groups that are gone. Purging
+    by subject removes only what no consumer of the run can ever read. Admin only (purge); `provision` sweeps,
+    and so may whoever holds the admin's credentials during a run."""
+    purged: dict[str, int] = {}
+    for key in topology.subject_keys:
+        spec = topology.stream(key)
+        if spec.retention != "workqueue":
+            continue
+        try:
+            info = await js.stream_info(spec.name, subjects_filter=">")
+        except nats.js.errors.NotFoundError:
+            continue
+        for subject, count in (info.state.subjects or {}).items():
+            if subject != spec.subject:
+                await js.purge_stream(spec.name, subject=subject)
+                purged[subject] = count
+    if purged:
+        log.warning("hop_foreign_messages_purged", purged=sum(purged.values()), subjects=len(purged))
+    return purged
 
 
 async def delete_run(js: JetStreamContext, config: RunConfig) -> list[str]:

@@ -179,6 +179,14 @@ class BusConfig(BaseModel):
     put that does not fit fails with an error naming this setting."""
     heartbeat_ttl_s: float = Field(default=15.0, ge=1)
     """A worker that has not written its heartbeat for this long is gone."""
+    heartbeat_max_bytes: int = Field(default=4096, ge=1024)
+    """Largest heartbeat value (the workers bucket refuses a bigger put, and readers skip one)."""
+    workers_max_bytes: int = Field(default=16 << 20, ge=1 << 20)
+    """Byte bound of the workers (heartbeat) bucket; a full bucket refuses new keys (JetStream reserves it)."""
+    state_max_bytes: int = Field(default=64 << 20, ge=1 << 20)
+    """Byte bound of the run's state bucket (config, versions, cursors, credits; JetStream reserves it)."""
+    max_consumers: int = Field(default=64, ge=4)
+    """Consumers each stream, bucket and store of the run accepts; a further create is refused."""
 
     @model_validator(mode="after")
     def _dedupe_covers_redelivery(self) -> BusConfig:
@@ -206,6 +214,16 @@ class BusConfig(BaseModel):
                     f"{name} ({bound}) is smaller than the largest message ({self.msg_bytes_limit}, max_msg_bytes): "
                     "such a message could never be stored"
                 )
+        if self.state_max_bytes < self.msg_bytes_limit:
+            problems.append(
+                f"state_max_bytes ({self.state_max_bytes}) is smaller than the largest message "
+                f"({self.msg_bytes_limit}, max_msg_bytes): the run config might not fit"
+            )
+        if self.workers_max_bytes < 16 * self.heartbeat_max_bytes:
+            problems.append(
+                f"workers_max_bytes ({self.workers_max_bytes}) must hold at least 16 heartbeats of heartbeat_max_bytes "
+                f"({self.heartbeat_max_bytes})"
+            )
         if self.media_max_age_s < self.train_max_age_s:
             problems.append(
                 f"media_max_age_s ({self.media_max_age_s:g}) must be at least train_max_age_s "
@@ -253,6 +271,10 @@ class RunConfig(BaseModel):
             "bus.media_max_age_s",
             "bus.weights_keep",
             "bus.weights_max_bytes",
+            "bus.heartbeat_max_bytes",
+            "bus.workers_max_bytes",
+            "bus.state_max_bytes",
+            "bus.max_consumers",
             "hops",  # derived, like chain; a run initialised before hops were stored has none
         }
     )

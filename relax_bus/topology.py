@@ -14,9 +14,19 @@ the `Topology` of its run. `relax_bus.provision` applies it to a server idempote
     relax_<run>_weights   object store  the trainer: policy versions and checkpoints
     relax_<run>_media     object store  any role: claim-check payloads (deleted when their hop message is
                                         settled, aged out otherwise) and media items
+    relax_<run>_state     KV            run config, policy version, cursors, credits
+    relax_<run>_workers   KV            heartbeats, one key `<role>.<worker id>` per worker, with a TTL
 
-Every limit is bounded: messages by `bus.max_msg_bytes` on every stream, each stream and store by bytes
-(the setting that bounds it is named on its spec, for errors that say what to raise or lower).
+Every limit is bounded: messages by `bus.max_msg_bytes` on every stream (heartbeats by
+`bus.heartbeat_max_bytes`), each stream, bucket and store by bytes (the setting that bounds it is named on its
+spec, for errors that say what to raise or lower), and consumers by `bus.max_consumers` on each. The one
+exception is the weights store when `bus.weights_max_bytes` is null: a byte bound is reserved up front, so it is
+bounded instead by the trainer's retention and, as a whole, by the run account's finite file limit
+(`relax_bus.ops.server_conf`).
+
+A hop's messages leave only when its consumer settles them (no `max_age`): a message under another subject (one
+delivered into the hop by a push consumer rather than published) is never delivered, so `sweep_hops` (the admin's,
+`relax_bus.provision`) purges those subjects rather than an age limit that would also expire real work unseen.
 """
 
 from __future__ import annotations
@@ -47,6 +57,8 @@ class StreamSpec:
     replicas: int
     max_msg_size: int
     """Largest message the stream stores (headers included); a bigger publish is refused."""
+    max_consumers: int
+    """Consumers the stream accepts (its durable ones included); a further create is refused."""
     bytes_setting: str
     """The dotted setting that sets `max_bytes`."""
 
@@ -73,6 +85,11 @@ class BucketSpec:
     name: str
     ttl_s: float | None
     history: int
+    max_bytes: int
+    max_value_size: int
+    """Largest value (a put above it is refused)."""
+    bytes_setting: str
+    """The dotted setting that sets `max_bytes`."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +145,7 @@ class Topology:
     def reserved_bytes(self) -> dict[str, int]:
         """What the run's byte bounds reserve on a server holding it, by the setting that sets them."""
         bounds = [*((s.bytes_setting, s.max_bytes) for s in self.streams)]
+        bounds += [(b.bytes_setting, b.max_bytes) for b in self.buckets]
         bounds += [(o.bytes_setting, o.max_bytes) for o in self.object_stores]
         out: dict[str, int] = {}
         for setting, size in bounds:
@@ -173,6 +191,7 @@ def build_topology(config: RunConfig) -> Topology:
             storage=bus.storage,
             replicas=bus.replicas,
             max_msg_size=bus.msg_bytes_limit,
+            max_consumers=bus.max_consumers,
             **base,  # type: ignore[arg-type]
         )
 
@@ -199,8 +218,18 @@ def build_topology(config: RunConfig) -> Topology:
         if r.input is not None
     )
     buckets = (
-        BucketSpec("state", state_bucket(run), ttl_s=None, history=16),
-        BucketSpec("workers", f"relax_{run}_workers", ttl_s=bus.heartbeat_ttl_s, history=1),
+        BucketSpec(
+            "state", state_bucket(run), None, 16, bus.state_max_bytes, bus.msg_bytes_limit, "bus.state_max_bytes"
+        ),
+        BucketSpec(
+            "workers",
+            f"relax_{run}_workers",
+            bus.heartbeat_ttl_s,
+            1,
+            bus.workers_max_bytes,
+            bus.heartbeat_max_bytes,
+            "bus.workers_max_bytes",
+        ),
     )
     stores = (
         ObjectStoreSpec("weights", f"relax_{run}_weights", _bound(bus.weights_max_bytes), 0.0, "bus.weights_max_bytes"),

@@ -8,7 +8,8 @@ role whose code needs no torch never loads it. The config derives a run's chain 
 (`PipelineConfig.chain`), so it sits below `workers.config` and sees a run's config as `RunShape`: what the
 entries read of it.
 
-    feeder     publish prompts; write feeder.cursor; watch policy.version; follow dead letters
+    feeder     publish prompts; write feeder.cursor; watch policy.version; follow dead letters; read the run's
+               stream and consumer state (what is still on the bus bounds the dead-letter credit)
     rollout    pull prompts, publish rollouts; read weights, watch policy.version
     reward     pull rollouts, publish scored (train when the run has no reference role)
     reference  pull scored, publish train; read weights, watch policy.version
@@ -155,7 +156,9 @@ ROLES: tuple[RoleDef, ...] = (
         "feeder",
         input=None,
         output=lambda c: "prompts",
-        grants=dict(state_keys=(FEEDER_CURSOR,), reaps=False, reads_dead_letters=True, watches_version=True),
+        grants=dict(
+            state_keys=(FEEDER_CURSOR,), reaps=False, reads_dead_letters=True, watches_version=True, observes=True
+        ),
         module="workers.roles.feeder",
         deploy=RoleDeploy(
             k8s_about=(

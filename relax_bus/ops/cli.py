@@ -142,7 +142,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, Any]:
         "--max-payload", type=size, help="largest message (default 1M, or the run's bus.max_msg_bytes if more)"
     )
     lim.add_argument(
-        "--max-file-store", type=size, help="JetStream file storage of the run (default: its byte bounds + 1G)"
+        "--max-file-store",
+        type=size,
+        help="JetStream file storage of the run (default: its byte bounds + 1G, + 64G if a store has none)",
     )
     lim.add_argument(
         "--max-memory-store", type=size, help="JetStream memory storage of the run (default: its byte bounds + 1G)"

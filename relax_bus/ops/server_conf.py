@@ -3,6 +3,9 @@
 One account per run holds the run's users (`relax_bus.ops.credentials`), with JetStream limits that bound
 what the run may store: a role whose credentials leak can fill neither the server's disk nor its memory,
 nor create streams and consumers without end. The server's own JetStream limits are the same numbers.
+Every limit is finite: where a store of the run has no byte bound of its own (the weights store while
+`bus.weights_max_bytes` is null), the account allows it `UNBOUNDED_STORE_ALLOWANCE` on top of the run's
+bounds, unless `--max-file-store` / `--max-memory-store` say otherwise.
 Monitoring (HTTP, unauthenticated) is off unless asked for, and then listens on 127.0.0.1 only.
 
 A cluster's routes (`cluster.conf`) carry a route user and password: a server that does not present
@@ -25,13 +28,18 @@ DEFAULT_MAX_PAYLOAD = 1 << 20
 """Largest message the server accepts (nats-server's own default, stated explicitly), unless the run's
 largest message (`bus.max_msg_bytes`) needs more."""
 FILE_HEADROOM = 1 << 30
-"""File storage above the run's byte bounds (streams and object stores): its KV buckets, and slack."""
+"""File storage above the run's byte bounds (streams, KV buckets and object stores): slack."""
 MEMORY_HEADROOM = 1 << 30
 """Memory storage above the run's byte bounds."""
+UNBOUNDED_STORE_ALLOWANCE = 64 << 30
+"""Storage the account adds for a store without a byte bound of its own (the weights store with
+`bus.weights_max_bytes` null: the trainer's retention bounds it, ~14 GB for a 135M-parameter model at the
+defaults): a finite ceiling, so that the trainer's credentials cannot fill the server's disk either."""
 DEFAULT_MAX_STREAMS = 32
 """Streams of the run's account; a run declares 10 (6 streams, 2 KV buckets, 2 object stores)."""
 DEFAULT_MAX_CONSUMERS = 1024
-"""Consumers of the run's account: 3 durables plus the ephemeral ones of KV watches and object reads."""
+"""Consumers of the run's account: its durables plus the ephemeral ones of KV watches and object reads; each
+stream, bucket and store accepts `bus.max_consumers` (64) of them, so no one of them can take them all."""
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(I?B)?\s*$", re.IGNORECASE)
 
 
@@ -72,8 +80,12 @@ class JetStreamLimits:
         declared = len(topology.streams) + len(topology.buckets) + len(topology.object_stores)
         if limits.max_streams < declared:
             problems.append(f"--max-streams {limits.max_streams} is below the {declared} streams the run declares")
-        if limits.max_consumers < len(topology.consumers):
-            problems.append(f"--max-consumers {limits.max_consumers} is below the run's {len(topology.consumers)}")
+        per_stream = max(s.max_consumers for s in topology.streams)
+        if limits.max_consumers < max(len(topology.consumers), per_stream):
+            problems.append(
+                f"--max-consumers {limits.max_consumers} is below the {per_stream} each stream of the run accepts "
+                "(bus.max_consumers): raise it, or lower that"
+            )
         if problems:
             raise ConfigError("JetStream limits", problems)
         return limits
@@ -150,7 +162,10 @@ def reservations(topology: Topology) -> dict[str, int]:
     for s in topology.streams:
         if s.max_bytes > 0:
             reserved[s.storage] += s.max_bytes * s.replicas
-    storage, replicas = topology.streams[0].storage, topology.streams[0].replicas  # object stores: the run's
+    storage, replicas = topology.streams[0].storage, topology.streams[0].replicas  # buckets and stores: the run's
+    for b in topology.buckets:
+        if b.max_bytes > 0:
+            reserved[storage] += b.max_bytes * replicas
     for o in topology.object_stores:
         if o.max_bytes > 0:
             reserved[storage] += o.max_bytes * replicas
@@ -166,11 +181,10 @@ def unbounded(topology: Topology) -> set[str]:
 
 
 def _default(reserved: dict[str, int], open_ended: set[str], kind: str) -> int:
-    """The account's default bound of one storage kind: the run's bounds plus headroom, or none (-1) when a
-    stream or store of that kind has no bound (a bound here would stop it where its own setting does not)."""
-    if kind in open_ended:
-        return -1
-    return reserved[kind] + (FILE_HEADROOM if kind == "file" else MEMORY_HEADROOM)
+    """The account's default bound of one storage kind: the run's bounds plus headroom, plus
+    `UNBOUNDED_STORE_ALLOWANCE` when a stream or store of that kind has no bound of its own. Always finite."""
+    allowance = UNBOUNDED_STORE_ALLOWANCE if kind in open_ended else 0
+    return reserved[kind] + allowance + (FILE_HEADROOM if kind == "file" else MEMORY_HEADROOM)
 
 
 def check_payload(max_payload: int, largest_message: int) -> None:
@@ -210,7 +224,7 @@ def server_conf(
     """
     js = [f"store_dir: {q(store_dir)}"] if store_dir else []
     if limits is not None:
-        # -1 (no bound) is left to the server's default: what its disk and memory allow.
+        # Always finite from `JetStreamLimits.for_run`; a -1 (none) given by hand is left to the server's default.
         js += [f"{key}: {value}" for key, value in (("max_memory_store", limits.max_memory),
                                                      ("max_file_store", limits.max_file)) if value >= 0]  # fmt: skip
     lines = [

@@ -14,6 +14,7 @@ never a silent loss.
 from __future__ import annotations
 
 import pytest
+from nats.js import api
 
 from relax_bus import blobs
 from relax_bus.connection import connect
@@ -29,6 +30,7 @@ from tests import factories as f
 from tests.bus.test_auth import Secured, provisioned, secured  # noqa: F401 (`secured` is a fixture)
 from tests.bus.test_publish import read_all
 from tests.conftest import run_config
+from tests.waiting import holds, until
 from workers.config import parse_config
 
 MiB = 1 << 20
@@ -78,7 +80,15 @@ def test_every_stream_and_store_is_bounded():
     assert bus.weights_max_bytes is None and stores["weights"].max_bytes == -1
     bounded = build_topology(run_config(bus={"weights_max_bytes": 64 * MiB}))
     assert {o.key: o.max_bytes for o in bounded.object_stores}["weights"] == 64 * MiB
-    assert sum(t.reserved_bytes().values()) == sum(s.max_bytes for s in t.streams) + bus.media_max_bytes
+    buckets = {b.key: b for b in t.buckets}
+    assert (buckets["state"].max_bytes, buckets["state"].max_value_size) == (bus.state_max_bytes, bus.msg_bytes_limit)
+    assert (buckets["workers"].max_bytes, buckets["workers"].max_value_size) == (
+        bus.workers_max_bytes,
+        bus.heartbeat_max_bytes,
+    )
+    assert all(s.max_consumers == bus.max_consumers > 0 for s in t.streams)
+    in_buckets = bus.state_max_bytes + bus.workers_max_bytes
+    assert sum(t.reserved_bytes().values()) == sum(s.max_bytes for s in t.streams) + bus.media_max_bytes + in_buckets
 
 
 def test_limits_that_cannot_hold_their_contents_are_refused_at_once():
@@ -301,3 +311,116 @@ async def test_a_role_deletes_its_settled_claims_with_its_own_permissions(secure
     assert (await rollout_worker(rollout, consume).run(until_empty=True)).processed == 1
     assert await claims(admin) == [] and await admin.media.info(name) is None
     assert secured.violations("rollout") == [] and secured.violations("feeder") == []
+
+
+# ---- KV buckets, consumers (issue 29: bounds everywhere) ----------------------------------------------
+
+
+@pytest.mark.bus
+async def test_a_heartbeat_flood_by_a_role_meets_the_buckets_bounds(secured: Secured):  # noqa: F811
+    """The attack: as the rollout user, heartbeat keys of 1 MiB each under its own role's prefix (64 of them went
+    through in half a second when the bucket had no bounds). A value is refused above `bus.heartbeat_max_bytes`,
+    and keys of allowed size stop at `bus.workers_max_bytes`."""
+    await provisioned(secured)
+    rollout = await secured.bus("rollout")
+    workers = await rollout.js.key_value(rollout.topology.bucket("workers"))
+    bus = secured.config.bus
+    refused = 0
+    for i in range(8):
+        try:
+            await workers.put(f"rollout.flood-{i}", b"x" * MiB)
+        except Exception:  # the server refuses the value: what this test expects
+            refused += 1
+    assert refused == 8
+    size = bus.heartbeat_max_bytes - 256  # fits, with the key and headers
+    stored = 0
+    for i in range(bus.workers_max_bytes // size + 16):
+        try:
+            await workers.put(f"rollout.small-{i}", b"x" * size)
+            stored += 1
+        except Exception:  # full: the bound holds
+            break
+    info = (await rollout.js.stream_info(f"KV_{rollout.topology.bucket('workers')}")).state
+    assert info.bytes <= bus.workers_max_bytes and stored < bus.workers_max_bytes // size + 16
+
+
+@pytest.mark.bus
+async def test_provision_bounds_the_buckets_and_stores_of_a_run_made_before_they_had_bounds(make_bus):
+    bus = await make_bus()
+    t, js = bus.topology, bus.js
+    for b in t.buckets:  # as an older `relax init` left them: no byte bound, any value size, any consumer count
+        cfg = (await js.stream_info(f"KV_{b.name}")).config
+        cfg.max_bytes, cfg.max_msg_size, cfg.max_consumers = -1, -1, -1
+        await js.update_stream(cfg)
+    media = (await js.stream_info(bus.media.stream)).config
+    media.max_consumers = -1
+    await js.update_stream(media)
+
+    report = await provision(js, bus.config)
+    assert {b.name for b in t.buckets} | {t.object_store("media")} <= set(report.updated)
+    for b in t.buckets:
+        cfg = (await js.stream_info(f"KV_{b.name}")).config
+        assert (cfg.max_bytes, cfg.max_msg_size, cfg.max_consumers) == (
+            b.max_bytes,
+            b.max_value_size,
+            bus.config.bus.max_consumers,
+        )
+    assert (await js.stream_info(bus.media.stream)).config.max_consumers == bus.config.bus.max_consumers
+    assert set((await provision(js, bus.config)).updated) == set()  # and idempotent
+
+
+@pytest.mark.bus
+async def test_a_stream_refuses_consumers_past_its_bound(make_bus):
+    """Ephemeral consumers held open cannot take a stream's (and then the account's) every consumer slot."""
+    bus = await make_bus(bus={"max_consumers": 4})
+    stream = bus.topology.stream("events").name
+    durables = (await bus.js.stream_info(stream)).state.consumer_count  # the metrics role's
+    made = 0
+    with pytest.raises(Exception, match="maximum consumers limit reached"):
+        for _ in range(8):
+            await bus.js.add_consumer(stream, api.ConsumerConfig(ack_policy=api.AckPolicy.NONE))
+            made += 1
+    assert made + durables == 4
+
+
+@pytest.mark.bus
+async def test_foreign_subject_messages_in_a_hop_do_not_keep_the_feeder_refused(make_bus):
+    """The attack of the observer's amplification loop: a push consumer delivering into the prompts hop's subject
+    filled the hop with messages under other subjects, which its filtered durable never sees and which never age
+    out; the feeder was refused for good. `sweep_hops` purges exactly those subjects."""
+    import asyncio
+
+    from relax_bus.kv_counter import KvCounter
+    from relax_bus.provision import sweep_hops
+    from workers.roles.feeder import feed
+    from workers.state_keys import FEEDER_CURSOR, TRAINER_DONE
+
+    bus = await make_bus(groups_per_step=2, bus={"hop_max_msgs": 4}, task={"type": "addition"}, trainer={"steps": 1})
+    hop = bus.topology.stream("prompts")
+    for i in range(4):
+        await bus.workers.put(f"flood.k{i}", b"x")
+    # What any role could do before roles lost consumer creation: a push consumer delivering into the hop.
+    await bus.js.add_consumer(
+        f"KV_{bus.topology.bucket('workers')}",
+        api.ConsumerConfig(deliver_subject=hop.subject, ack_policy=api.AckPolicy.NONE, filter_subject="$KV.*.flood.>"),
+    )
+    await until(lambda: stored(bus, "prompts"), lambda s: s[0] == 4, 10, "the hop full of foreign messages")
+
+    async def released() -> int:
+        return (await KvCounter(bus.state, FEEDER_CURSOR).get())[0]
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(feed(bus, stop))
+    try:
+        await holds(released, lambda n: n == 0, 1.0, "the feeder refused by the full hop")
+        purged = await sweep_hops(bus.js, bus.topology)
+        assert sum(purged.values()) == 4 and hop.subject not in purged
+        await until(released, lambda n: n == 2, 30, "the feeder's releases")
+        await bus.state.put(TRAINER_DONE, b"1")
+        await asyncio.wait_for(task, 10)
+    finally:
+        stop.set()
+        if not task.done():
+            task.cancel()
+    assert await sweep_hops(bus.js, bus.topology) == {}  # the hop's own messages stay
+    assert (await stored(bus, "prompts"))[0] == 2

@@ -5,6 +5,7 @@ asked for, account limits and payload bound, nkey logins, authenticated cluster 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import re
 import shlex
@@ -27,7 +28,15 @@ from relax_bus.errors import ConfigError, NatsServerNotFound, NatsUnreachable
 from relax_bus.ops.cli import COMMANDS, build_parser
 from relax_bus.ops.credentials import nkey_user, write_bundle
 from relax_bus.ops.server import EmbeddedServer, free_port, wait_for_port
-from relax_bus.ops.server_conf import Cluster, JetStreamLimits, cluster_conf, reservations
+from relax_bus.ops.server_conf import (
+    FILE_HEADROOM,
+    MEMORY_HEADROOM,
+    UNBOUNDED_STORE_ALLOWANCE,
+    Cluster,
+    JetStreamLimits,
+    cluster_conf,
+    reservations,
+)
 from relax_bus.provision import provision
 from relax_bus.settings import ConnectionSettings, RunConfig
 from relax_bus.topology import build_topology
@@ -84,11 +93,41 @@ def test_auth_refuses_a_public_plaintext_listener_unless_tls_or_allowed(tmp_path
 
 
 @pytest.mark.bus
+async def test_the_account_limits_are_finite_even_with_an_unbounded_weights_store(tmp_path):
+    """`bus.weights_max_bytes` null left the account's file storage unbounded (-1): the trainer's credentials
+    could fill the server's disk. The default limit is now the run's reservations plus a stated allowance."""
+    config = run_config()
+    assert config.bus.weights_max_bytes is None
+    t = build_topology(config)
+    reserved = reservations(t)
+    limits = JetStreamLimits.for_run(t)
+    assert limits.max_file == reserved["file"] + UNBOUNDED_STORE_ALLOWANCE + FILE_HEADROOM
+    assert limits.max_memory == reserved["memory"] + MEMORY_HEADROOM
+    bounded = build_topology(run_config(bus={"weights_max_bytes": 1 << 30}))
+    assert JetStreamLimits.for_run(bounded).max_file == reservations(bounded)["file"] + FILE_HEADROOM
+    assert reserved["file"] >= config.bus.state_max_bytes + config.bus.workers_max_bytes  # buckets count too
+
+    bundle = write_bundle(config, tmp_path / "auth", store_dir=None)
+    conf = bundle.server_conf.read_text()
+    assert f"max_file_store: {limits.max_file}" in conf and "-1" not in (tmp_path / "auth" / "auth.conf").read_text()
+    server = server_from(bundle, tmp_path / "nats")
+    try:
+        nc = await connect(settings_of(bundle.env_files["admin"], server.url), name="admin")
+        try:
+            info = await nc.jetstream(timeout=10.0).account_info()
+            assert (info.limits.max_storage, info.limits.max_memory) == (limits.max_file, limits.max_memory)
+        finally:
+            await nc.close()
+    finally:
+        server.cleanup()
+
+
+@pytest.mark.bus
 async def test_the_run_account_has_jetstream_limits_and_the_server_a_payload_bound(tmp_path):
     config = run_config()
     t = build_topology(config)
     reserved = reservations(t)["file"]
-    limits = JetStreamLimits.for_run(t, max_file=reserved + (64 << 20), max_streams=10, max_consumers=40)
+    limits = JetStreamLimits.for_run(t, max_file=reserved + (64 << 20), max_streams=10, max_consumers=80)
     bundle = write_bundle(config, tmp_path / "auth", store_dir=None, limits=limits)
     conf = bundle.server_conf.read_text()
     assert "max_payload: 1048576" in conf and "\nhttp" not in conf, conf  # monitoring off
@@ -102,7 +141,7 @@ async def test_the_run_account_has_jetstream_limits_and_the_server_a_payload_bou
             assert len(report.created) == 10 + len(t.consumers)
             info = await js.account_info()
             got = (info.limits.max_memory, info.limits.max_storage, info.limits.max_streams, info.limits.max_consumers)
-            assert got == (limits.max_memory, limits.max_file, 10, 40)
+            assert got == (limits.max_memory, limits.max_file, 10, 80)
             train = await js.stream_info(t.stream("train").name)
             train.config.max_bytes = (train.config.max_bytes or 0) + (128 << 20)  # past the account's file limit
             with pytest.raises(nats.js.errors.APIError, match=r"insufficient (storage )?resources"):
@@ -112,6 +151,8 @@ async def test_the_run_account_has_jetstream_limits_and_the_server_a_payload_bou
     finally:
         server.cleanup()
 
+    with pytest.raises(ConfigError, match=r"--max-consumers 40 is below the 64 each stream of the run accepts"):
+        JetStreamLimits.for_run(t, max_consumers=40)
     with pytest.raises(ConfigError, match=r"below the \d+ bytes .* the run's streams and stores reserve"):
         JetStreamLimits.for_run(t, max_file=reserved - 1)
     with pytest.raises(ConfigError, match=r"--max-payload 500000 is below the run's largest message, 589824 bytes"):
@@ -370,3 +411,36 @@ def test_compose_cluster_routes_are_authenticated(tmp_path):
     assert password and len(password.group(1)) >= 32, text
     for peer in ("nats", "nats-2", "nats-3"):
         assert f"nats-route://route:{password.group(1)}@{peer}:6222" in text
+
+
+# ---------------------------------------------------------------- listeners stay where they are told
+
+
+def listening_on(port: int) -> set[str]:
+    """The local addresses of every TCP socket of this machine listening on `port` (from /proc/net/tcp{,6})."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            host, hex_port = local.split(":")
+            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(host)
+            # The kernel prints each 32-bit word in host (little-endian) order.
+            words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            out.add(str(ipaddress.ip_address(words)))
+    return out
+
+
+def test_the_broadcast_weights_store_listens_on_the_host_it_is_given_only():
+    """torch's `TCPStore(host, ..., is_master=True)` listened on every interface even when given 127.0.0.1: any
+    host that reached the port could join the rounds or write the store."""
+    from workers.weights.broadcast import Sender
+
+    sender = Sender("127.0.0.1", 0, timeout_s=5.0, bucket_mb=1, verify=False)
+    try:
+        assert listening_on(sender.address["port"]) == {"127.0.0.1"}
+        sender.store.set("k", "v")  # and it serves
+        assert sender.store.get("k") == b"v"
+    finally:
+        del sender

@@ -2,16 +2,34 @@
 
 The feeder follows the run's dlq stream from its start (the bus's `Follower` on an ordered consumer, so a
 restarted feeder counts the same letters again) and collects the release index of every dead letter whose payload is
-one of this run's groups. Each such group is replaced like a stale drop; a letter that is not a group
-(garbage, a foreign message) earns nothing, and neither does one naming a group the feeder never released
-(a release index it has not reached, or a group id other than the one it gave that index): whoever can
-publish to the dlq cannot raise the release budget past one replacement per group released.
+one of this run's groups. A letter that is not a group (garbage, a foreign message) earns nothing, and neither
+does one naming a group the feeder never released (a release index it has not reached, or a group id other than
+the one it gave that index), one the reward role already filtered (replaced by that credit), or one counted
+before.
+
+Any role may publish to the dlq, and a forged letter for a group still in flight looks like a real one. Before
+the bound below, every replacement was a new release index that the next forged letter could name: 66 releases
+became 322 at policy version 0 in four rounds. So the credit is also bounded by what has left the pipeline
+without being accounted for (`dead_credit`):
+
+    credit = min(letters, released - trained - dropped - filtered - on_bus)
+
+`trained` is the trainer's steps times groups_per_step, `dropped` its stale drops, `filtered` the reward role's
+(all in the run's state KV), and `on_bus` the groups the bus still holds: the messages under each hop's own
+subject (pending or being worked on: a work queue keeps a message until it is acked) and those the actor has
+not acked on the train stream. A real dead letter's group is off the bus (the stage terminated its message) and
+never trains, so it is credited; a forged letter's group is on the bus, or trains later, so it is not, or no
+longer (the credit is recomputed on every poll, and a replacement already released only makes the feeder wait).
+A group between two counts (published downstream, its input not yet acked; acked by the actor, its step not
+yet recorded) can make the bound one batch too high or too low for a moment, never more.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+
+import nats.js.errors
 
 from relax_bus.bus import Bus
 from relax_bus.cancel import cancel_and_wait
@@ -36,9 +54,40 @@ class DeadLetterCredit:
         self.follower = Follower.ordered(bus, "dlq", self._take)
         self._task: asyncio.Task[object] | None = None
 
-    def credit(self, released: int, group_id_of: Callable[[int], str]) -> int:
-        """Dead-lettered groups this feeder released: an index below `released` with the id it gave that index."""
-        return len({i for i, g in self.seen if i < released and g == group_id_of(i)})
+    def letters(self, released: int, group_id_of: Callable[[int], str], filtered: Callable[[int], bool]) -> int:
+        """Dead-lettered groups this feeder released (an index below `released` with the id it gave that index)
+        and the reward role did not filter."""
+        return len({i for i, g in self.seen if i < released and g == group_id_of(i) and not filtered(i)})
+
+    async def credit(
+        self, released: int, group_id_of: Callable[[int], str], filtered: Callable[[int], bool], settled: int
+    ) -> int:
+        """Groups to replace for their dead letters: `dead_credit` of the letters, with `settled` the groups
+        trained, dropped as stale or filtered so far. Asks the server only while some letter counts."""
+        letters = self.letters(released, group_id_of, filtered)
+        if letters == 0:
+            return 0
+        return dead_credit(letters, released, settled, await self.on_bus())
+
+    async def on_bus(self) -> int:
+        """Groups the bus still holds: messages under each hop's own subject, and the train stream's messages
+        its consumer has not acked."""
+        js, t = self.bus.js, self.bus.topology
+        held = 0
+        for key in self.bus.config.hop_keys():
+            spec = t.stream(key)
+            info = await js.stream_info(spec.name, subjects_filter=spec.subject)
+            held += (info.state.subjects or {}).get(spec.subject, 0)
+        train = t.stream("train").name
+        for c in t.consumers:
+            if c.stream_key != "train":
+                continue
+            try:
+                info = await js.consumer_info(train, c.durable)
+            except nats.js.errors.NotFoundError:
+                continue
+            held += info.num_pending + info.num_ack_pending
+        return held
 
     async def start(self) -> DeadLetterCredit:
         """Subscribe (a refused permission fails here), then follow the letters in the background."""
@@ -70,6 +119,12 @@ class DeadLetterCredit:
         if key not in self.seen:
             self.seen.add(key)
             log.info("dead_letter_seen", group_id=prompt.group_id, release_index=prompt.release_index)
+
+
+def dead_credit(letters: int, released: int, settled: int, on_bus: int) -> int:
+    """min(letters, released - settled - on_bus), at least 0: dead-lettered groups credited at most as many as
+    the released groups that are neither settled (trained, dropped as stale, filtered) nor on the bus."""
+    return max(0, min(letters, released - settled - on_bus))
 
 
 def _report_failure(task: asyncio.Task[object]) -> None:

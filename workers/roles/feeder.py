@@ -3,7 +3,8 @@
 It may have released at most `(v + max_staleness + 1) * groups_per_step + dropped` groups
 (`relax_bus.staleness.release_budget`), and never more than `steps * groups_per_step + dropped`, where
 `dropped` counts the groups the trainer dropped as stale, those a stage dead-lettered
-(`workers.roles.dead_credit`) and, with `sampling.drop_uniform`, those the reward role filtered for
+(`workers.roles.dead_credit`: at most those that left the bus without being trained or dropped) and,
+with `sampling.drop_uniform`, those the reward role filtered for
 having all-equal rewards (`workers.roles.filtered_credit`: at most `(max_oversample - 1) x steps x
 groups_per_step` of them; past that bound the run cannot finish and the feeder fails, `OversampleExhausted`,
 after an `oversample_exhausted` event). It
@@ -34,9 +35,16 @@ from workers.config import task_seed, task_spec
 from workers.data.tasks import TaskItem, epoch_order, load_task
 from workers.omni.media_refs import has_media, store_inline
 from workers.roles.dead_credit import DeadLetterCredit
-from workers.roles.filtered_credit import OversampleExhausted, count_below, exhausted, filtered_now, oversample_cap
+from workers.roles.filtered_credit import (
+    OversampleExhausted,
+    count_below,
+    exhausted,
+    filtered_now,
+    holds,
+    oversample_cap,
+)
 from workers.roles.serve import RoleContext
-from workers.state_keys import FEEDER_CURSOR, GROUPS_DROPPED, POLICY_VERSION, TRAINER_DONE
+from workers.state_keys import FEEDER_CURSOR, GROUPS_DROPPED, POLICY_VERSION, TRAINER_DONE, TRAINER_STEP
 
 log = get_logger(__name__)
 
@@ -136,18 +144,22 @@ class Feeder:
         self._seen: tuple[int, int] = (0, 0)  # version and dropped count of the last batch produced
         self.filtered = 0
         """Released groups the reward role filtered (all rewards equal), as last read."""
+        self._filtered_bits = b""
+        """The filtered set as last read (`workers.roles.filtered_credit`): such a group earns no dead-letter credit."""
         self._stored: dict[int, tuple[Part, ...]] = {}
         """Item index -> its parts by reference, once its media is in the media store."""
 
     async def produce(self) -> list[PromptGroup] | None:
         cfg = self.bus.config
         target = cfg.trainer.steps * cfg.groups_per_step
-        done, version, stale = await _snapshot(self.bus)
+        done, version, stale, steps = await _snapshot(self.bus)
         if done:
             return None
-        dropped = stale + self.dead.credit(self.released, self._group_id)  # will never train: each is replaced
+        dropped = stale  # each of these will never train: it is replaced
         if cfg.sampling.drop_uniform:
             dropped += await self._filtered_credit(target)
+        settled = steps * cfg.groups_per_step + dropped
+        dropped += await self.dead.credit(self.released, self._group_id, self._was_filtered, settled)
         need = target + dropped - self.released
         if need <= 0 and not self.covered:
             log.info("feeder_covered", released=self.released, dropped=dropped)
@@ -173,11 +185,15 @@ class Feeder:
     def _group_id(self, release_index: int) -> str:
         return group_id_for(self.items, release_index, self.seed)
 
+    def _was_filtered(self, release_index: int) -> bool:
+        return holds(self._filtered_bits, release_index)
+
     async def _filtered_credit(self, target: int) -> int:
         """Filtered groups to replace now: every one released so far, unless that passes the bound (then
         `OversampleExhausted`, after an `oversample_exhausted` event: the run could not finish)."""
         sampling = self.bus.config.sampling
         bitmap = await filtered_now(self.bus.run_state)
+        self._filtered_bits = bitmap
         self.filtered = count_below(bitmap, self.released)
         cap = oversample_cap(sampling.max_oversample, target)
         if exhausted(self.filtered, cap):
@@ -214,13 +230,14 @@ class Feeder:
             log.warning("event_lost", name=event, error=str(err))
 
 
-async def _snapshot(bus: Bus) -> tuple[bool, int, int]:
-    """`(trainer done, policy version, groups dropped)`."""
+async def _snapshot(bus: Bus) -> tuple[bool, int, int, int]:
+    """`(trainer done, policy version, groups dropped, trainer steps)`."""
     state = bus.run_state
     done = await state.get(TRAINER_DONE) is not None
     version, _ = await state.count(POLICY_VERSION)
     dropped, _ = await state.count(GROUPS_DROPPED)
-    return done, version, dropped
+    steps, _ = await state.count(TRAINER_STEP)
+    return done, version, dropped, steps
 
 
 async def _advance_cursor(bus: Bus, old: int, new: int, revision: int) -> int:

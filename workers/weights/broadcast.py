@@ -110,6 +110,20 @@ def group(store: dist.Store, epoch: int, rank: int, size: int, host: str, timeou
     return dist.ProcessGroupGloo(dist.PrefixStore(f"pg/{epoch}", store), rank, size, options)
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on `host` only (`port` 0: a free one), for the publisher's store.
+
+    `TCPStore(host, port, is_master=True)` binds its own socket to every interface whatever `host` says; given
+    this socket's descriptor (`master_listen_fd`) it serves on it instead, so a loopback run stays on the loopback.
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(address)
+    sock.listen(128)
+    return sock
+
+
 def device_host(host: str) -> str:
     """The address this process's gloo pairs listen on: the loopback for a loopback run, else this host's name."""
     return host if host in ("127.0.0.1", "localhost") else socket.gethostname()
@@ -120,7 +134,11 @@ class Sender:
 
     def __init__(self, host: str, port: int, timeout_s: float, bucket_mb: int, verify: bool) -> None:
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=self.timeout)
+        self.listener = listen(host, port)
+        self.store = dist.TCPStore(
+            host, self.listener.getsockname()[1], is_master=True, wait_for_workers=False, timeout=self.timeout,
+            master_listen_fd=self.listener.fileno(),
+        )  # fmt: skip
         self.address = {"host": host, "port": self.store.port, "started": time.time()}
         self.timeout_s, self.bucket_bytes, self.verify = timeout_s, bucket_mb << 20, verify
         self.device = device_host(host)
