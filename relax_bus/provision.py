@@ -61,7 +61,6 @@ def _stream_config(s: StreamSpec) -> api.StreamConfig:
         max_age=s.max_age_s,
         max_msg_size=s.max_msg_size,
         max_consumers=s.max_consumers,
-        allow_direct=True,
         discard=api.DiscardPolicy.NEW if s.discard == "new" else api.DiscardPolicy.OLD,
         duplicate_window=s.duplicate_window_s,
         storage=api.StorageType.FILE if s.storage == "file" else api.StorageType.MEMORY,
