@@ -30,7 +30,7 @@ from relax_bus.connection import connect
 from relax_bus.errors import ConfigError
 from relax_bus.ops.server import free_port
 from relax_bus.outage import OUTAGE_S
-from relax_bus.provision import provision_when_ready
+from relax_bus.provision import provision_when_ready, sweep_hops
 from relax_bus.settings import ConnectionSettings, redacted
 from schemas import Metric, RunEvent
 from workers.config import PipelineConfig as RunConfig
@@ -46,6 +46,8 @@ DRAIN_S = 10.0
 """How long the launcher waits for the events of a run that has ended to reach it."""
 METRICS_DRAIN_S = 30.0
 """How long the launcher waits, once the run has ended, for the metrics role to have written every event."""
+SWEEP_S = 30.0
+"""How often the launcher, as the admin, purges messages no consumer can read from the hops (`sweep_hops`)."""
 
 
 async def launch(
@@ -90,7 +92,7 @@ async def launch(
         out.write("started " + ", ".join(f"{label} (pid {pid})" for label, pid in processes.pids().items()) + "\n")
         if (sinks := metrics_sinks_line(config)) is not None:
             out.write(sinks + "\n")
-        watch = Watch(processes, server, outages, stopping or asyncio.Event())
+        watch = Watch(processes, server, outages, stopping or asyncio.Event(), bus)
         summary = await _follow(bus, config, watch, run_dir, out)
         await _metrics_written(bus, config, watch, out)
     finally:
@@ -196,6 +198,8 @@ class Watch:
     server: RunServer | None
     outages: list[str]
     stopping: asyncio.Event
+    bus: Bus
+    swept_at: float = 0.0
 
     async def look(self, note: Callable[[str], None]) -> None:
         if self.stopping.is_set():
@@ -205,6 +209,10 @@ class Watch:
         if self.server is not None:
             await self.server.check(note)
         self.processes.supervise(note)
+        if time.monotonic() - self.swept_at > SWEEP_S:
+            self.swept_at = time.monotonic()
+            with contextlib.suppress(nats.errors.Error, OSError):  # tolerated: swept again next time
+                await sweep_hops(self.bus.js, self.bus.topology)
 
 
 async def _follow(bus: Bus, config: RunConfig, watch: Watch, run_dir: Path, out: IO[str]) -> dict[str, Any]:
