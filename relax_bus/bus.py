@@ -38,6 +38,7 @@ class Bus(Generic[C]):
     publisher: Publisher
     media: BlobStore
     weights: BlobStore
+    checkpoints: BlobStore
     state: KeyValue
     workers: KeyValue
     version: PolicyVersion
@@ -85,6 +86,7 @@ class Bus(Generic[C]):
             publisher=Publisher(js, media, min(config.bus.claim_check_bytes, max_payload - 8192)),
             media=media,
             weights=BlobStore(js, topology.object_store("weights"), max_payload),
+            checkpoints=BlobStore(js, topology.object_store("checkpoints"), max_payload),
             state=state,
             workers=workers,
             version=PolicyVersion(state),

@@ -172,11 +172,15 @@ class BusConfig(BaseModel):
     """Policy versions kept in the weights store."""
     weights_max_bytes: int | None = Field(default=None, ge=1 << 20)
     """Byte bound of the weights store; null: none. Only the trainer may write this store, and its retention
-    bounds it: v0 and the newest weights_keep versions (one more while the next is written) plus the
-    checkpoints (step 0's and the newest trainer.checkpoint.keep, one more while the next is written; about
-    3x the weights with AdamW) — ~14 GB for a 135M-parameter float32 model at the defaults, more than a bound
-    reserved up front should take from every run. A bound is reserved on the server's disk (JetStream), and a
+    bounds it: v0 and the newest weights_keep versions (one more while the next is written) — ~2.7 GB for a
+    135M-parameter float32 model at the defaults. A bound is reserved on the server's disk (JetStream), and a
     put that does not fit fails with an error naming this setting."""
+    checkpoints_max_bytes: int | None = Field(default=None, ge=1 << 20)
+    """Byte bound of the checkpoints store (whole checkpoints: weights, optimizer state, the run's ledger); null:
+    none. Only the trainer (and the admin) may read or write it: optimizer state and ledger are not for the
+    other roles. Its retention bounds it: step 0's checkpoint and the newest trainer.checkpoint.keep, one more
+    while the next is written, about 3x the weights each with AdamW (~11 GB for a 135M-parameter float32 model
+    at the defaults). Reserved up front when set, like weights_max_bytes."""
     heartbeat_ttl_s: float = Field(default=15.0, ge=1)
     """A worker that has not written its heartbeat for this long is gone."""
     heartbeat_max_bytes: int = Field(default=4096, ge=1024)
@@ -271,6 +275,7 @@ class RunConfig(BaseModel):
             "bus.media_max_age_s",
             "bus.weights_keep",
             "bus.weights_max_bytes",
+            "bus.checkpoints_max_bytes",
             "bus.heartbeat_max_bytes",
             "bus.workers_max_bytes",
             "bus.state_max_bytes",

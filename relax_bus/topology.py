@@ -11,7 +11,8 @@ the `Topology` of its run. `relax_bus.provision` applies it to a server idempote
     relax.<run>.dlq       limits       any role: messages the bus gave up on, with the reason
     relax.<run>.events    limits       any role: run events and step metrics
 
-    relax_<run>_weights   object store  the trainer: policy versions and checkpoints
+    relax_<run>_weights   object store  the trainer: policy versions, read by the roles that load weights
+    relax_<run>_checkpoints object store  the trainer only: whole checkpoints (optimizer state, ledger)
     relax_<run>_media     object store  any role: claim-check payloads (deleted when their hop message is
                                         settled, aged out otherwise) and media items
     relax_<run>_state     KV            run config, policy version, cursors, credits
@@ -19,10 +20,10 @@ the `Topology` of its run. `relax_bus.provision` applies it to a server idempote
 
 Every limit is bounded: messages by `bus.max_msg_bytes` on every stream (heartbeats by
 `bus.heartbeat_max_bytes`), each stream, bucket and store by bytes (the setting that bounds it is named on its
-spec, for errors that say what to raise or lower), and consumers by `bus.max_consumers` on each. The one
-exception is the weights store when `bus.weights_max_bytes` is null: a byte bound is reserved up front, so it is
-bounded instead by the trainer's retention and, as a whole, by the run account's finite file limit
-(`relax_bus.ops.server_conf`).
+spec, for errors that say what to raise or lower), and consumers by `bus.max_consumers` on each. The
+exceptions are the weights and checkpoints stores when `bus.weights_max_bytes` / `bus.checkpoints_max_bytes` are
+null: a byte bound is reserved up front, so they are bounded instead by the trainer's retention and, as a whole,
+by the run account's finite file limit (`relax_bus.ops.server_conf`).
 
 A hop's messages leave only when its consumer settles them (no `max_age`): a message under another subject (one
 delivered into the hop by a push consumer rather than published) is never delivered, so `sweep_hops` (the admin's,
@@ -233,6 +234,13 @@ def build_topology(config: RunConfig) -> Topology:
     )
     stores = (
         ObjectStoreSpec("weights", f"relax_{run}_weights", _bound(bus.weights_max_bytes), 0.0, "bus.weights_max_bytes"),
+        ObjectStoreSpec(
+            "checkpoints",
+            f"relax_{run}_checkpoints",
+            _bound(bus.checkpoints_max_bytes),
+            0.0,
+            "bus.checkpoints_max_bytes",
+        ),
         ObjectStoreSpec("media", f"relax_{run}_media", bus.media_max_bytes, bus.media_max_age_s, "bus.media_max_bytes"),
     )
     return Topology(run, streams, consumers, buckets, stores, roles)

@@ -66,7 +66,7 @@ def permissions(topology: Topology, role: str) -> Permissions:
     r = t.role(role)
     g = r.grants
     state, workers = t.bucket("state"), t.bucket("workers")
-    media, weights = t.object_store("media"), t.object_store("weights")
+    media, weights, checkpoints = (t.object_store(k) for k in ("media", "weights", "checkpoints"))
     outputs = [*([r.output] if r.output else []), *g.publishes, "dlq", "events"]
     pub = [
         *_reads_kv(state),
@@ -99,8 +99,10 @@ def permissions(topology: Topology, role: str) -> Permissions:
     if g.reads_dead_letters:
         pub += _direct_reader(t.stream("dlq").name)
     if g.writes_weights:
-        # The stream's info: its subjects, to find the chunks of an upload a crash cut off (`clear_orphans`).
-        pub += [f"$O.{weights}.>", f"{API}.STREAM.PURGE.OBJ_{weights}", *_reads_store(weights)]
+        # The trainer's stores: versions, and checkpoints nobody else reads (optimizer state, the ledger). The
+        # stream's info: its subjects, to find the chunks of an upload a crash cut off (`clear_orphans`).
+        for store in (weights, checkpoints):
+            pub += [f"$O.{store}.>", f"{API}.STREAM.PURGE.OBJ_{store}", *_reads_store(store)]
     if g.observes:
         pub += _infos(t)
     return Permissions(tuple(dict.fromkeys(pub)), tuple(dict.fromkeys(sub)))

@@ -34,7 +34,7 @@ async def test_replay_reproduces_the_logged_loss(nats_server, tmp_path, sharded)
     try:
         bus = cluster.bus
         assert bus is not None
-        names = sorted(n for n in await bus.weights.names() if n.startswith("ckpt-"))
+        names = sorted(n for n in await bus.checkpoints.names() if n.startswith("ckpt-"))
         if sharded:  # every checkpoint is a directory of shards; the store holds none
             assert names == []
             names = sorted(p.name for p in (tmp_path / "checkpoints" / config.run).iterdir())

@@ -70,3 +70,35 @@ def test_a_real_checkpoint_round_trips_without_pickle(tmp_path):
     assert saved.keys() == loaded.keys() and saved
     for key in saved:
         assert torch.equal(saved[key]["exp_avg"], loaded[key]["exp_avg"])
+
+
+@pytest.fixture
+async def secured(tmp_path):
+    from tests.bus.test_auth import secured_server
+    from tests.conftest import run_config
+
+    async with secured_server(run_config(trainer={"kl": {"coef": 0.1}}), tmp_path) as s:
+        yield s
+
+
+@pytest.mark.bus
+async def test_no_role_but_the_trainer_reads_a_checkpoint(secured):
+    """Finding 7: checkpoints (optimizer state, the run's ledger) sat in the weights store, which the rollout and
+    the reference read. They have a store of their own now, which only the actor (and the admin) may read."""
+    import nats.errors
+
+    from tests.bus.test_auth import provisioned, violation
+
+    s = secured
+    admin = await provisioned(s)
+    actor = await s.bus("actor")
+    await actor.checkpoints.put("ckpt-000002", b"optimizer state and ledger")
+    assert await actor.checkpoints.get("ckpt-000002") == b"optimizer state and ledger"
+    stream = actor.checkpoints.stream
+    for role in ("rollout", "reference", "reward", "feeder", "observer"):
+        nc = await s.connect(role)
+        js = nc.jetstream(timeout=1.0)
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.get_last_msg(stream, "$O.>")
+        assert violation("publish", f"$JS.API.STREAM.MSG.GET.{stream}") in s.violations(role), role
+    assert await admin.checkpoints.names() == ["ckpt-000002"]

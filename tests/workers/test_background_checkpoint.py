@@ -37,7 +37,7 @@ def weights(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
 def hold_puts(bus):
     """Hold every object-store put until the returned event is set: an upload in flight, for as long as a test
     wants. Returns the real put, the release event, and an event set once a put is waiting."""
-    real_put = bus.weights.put
+    real_put = bus.checkpoints.put
     release, entered = asyncio.Event(), asyncio.Event()
 
     async def held_put(name, data):
@@ -45,7 +45,7 @@ def hold_puts(bus):
         await release.wait()
         return await real_put(name, data)
 
-    bus.weights.put = held_put
+    bus.checkpoints.put = held_put
     return real_put, release, entered
 
 
@@ -75,7 +75,7 @@ async def test_the_record_names_a_checkpoint_only_once_it_is_whole(make_bus, tmp
     await actor.checkpoints.wait()
     record = await record_of(bus)
     assert record["step"] == 2
-    saved = read_checkpoint(await bus.weights.get(record["object"]))["model"]
+    saved = read_checkpoint(await bus.checkpoints.get(record["object"]))["model"]
     assert all(torch.equal(saved[k], at_step_2[k]) for k in at_step_2)  # the snapshot, not the moved weights
 
     # Step 4's upload breaks off (a crash mid-upload): the record keeps step 2, which a restart restores.
@@ -84,12 +84,12 @@ async def test_the_record_names_a_checkpoint_only_once_it_is_whole(make_bus, tmp
     async def broken_put(name, data):
         raise ConnectionError("upload cut off")
 
-    bus.weights.put = broken_put
+    bus.checkpoints.put = broken_put
     await actor._checkpoint()
     with pytest.raises(ConnectionError, match="cut off"):
         await actor.checkpoints.wait()
     assert (await record_of(bus))["step"] == 2
-    bus.weights.put = real_put
+    bus.checkpoints.put = real_put
     restarted = Actor(bus, PolicyTrainer(model_dir, config), ObjectStoreTransport(bus))
     await restarted.setup([])
     assert restarted.state.step == 2
@@ -152,4 +152,4 @@ async def test_a_sharded_checkpoint_is_recorded_once_every_shard_is_written(make
     assert restarted.state.step == 2 and not (root / bus.run / "ckpt-4").exists()
     restored = weights(restarted.trainer)
     assert all(torch.equal(restored[k], at_step_2[k]) for k in at_step_2)
-    assert not [n for n in await bus.weights.names() if n.startswith("ckpt-")]  # none in the store
+    assert not [n for n in await bus.checkpoints.names() if n.startswith("ckpt-")]  # none in the store

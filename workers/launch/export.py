@@ -58,7 +58,7 @@ async def export(bus: Bus, out: Path, step: int | None, work_dir: Path) -> dict[
     if out.exists() and any(out.iterdir()):
         raise ExportFailed(f"{out} is not empty: choose a new --out")
     found = where[chosen]
-    source: bytes | Path = Path(found["dir"]) if "dir" in found else await bus.weights.get(found["object"])
+    source: bytes | Path = Path(found["dir"]) if "dir" in found else await bus.checkpoints.get(found["object"])
     base = await asyncio.to_thread(materialize, cfg.model.source, work_dir / bus.run / "base", cfg.model.seed)
     await asyncio.to_thread(_write, source, base, out)
     record = {"source": "export", "run": bus.run, "step": chosen, "base": cfg.model.source.shorthand()}

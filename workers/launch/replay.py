@@ -128,7 +128,7 @@ async def replay(bus: Bus, step: int, work_dir: Path) -> Replay:
         raise ReplayFailed(f"steps {missing} between checkpoint {base} and step {step} have no record")
     batches = [await train_groups(bus, records[s], s) for s in [*between, step]]
     found = where[base]
-    data = b"" if "dir" in found else await bus.weights.get(found["object"])
+    data = b"" if "dir" in found else await bus.checkpoints.get(found["object"])
     model_dir = await asyncio.to_thread(materialize, cfg.model.source, work_dir / bus.run / "base", cfg.model.seed)
 
     def compute() -> dict[str, float]:

@@ -157,9 +157,10 @@ class Actor:
     async def setup(self, warmup_items: list[Any]) -> None:
         """Resume from the latest checkpoint, or warm up and publish version 0."""
         # A predecessor SIGKILLed mid-upload (a checkpoint or a version) left chunks that nothing names.
-        orphans = await through_outage(self.bus.weights.clear_orphans, "clear cut-off uploads")
-        if orphans:
-            log.info("cut_off_uploads_cleared", store=self.bus.weights.bucket, uploads=orphans)
+        for store in (self.bus.weights, self.bus.checkpoints):
+            orphans = await through_outage(store.clear_orphans, "clear cut-off uploads")
+            if orphans:
+                log.info("cut_off_uploads_cleared", store=store.bucket, uploads=orphans)
         record = await checkpoint_record(self.bus)
         cut = await asyncio.to_thread(clear_cut_off_dirs, self.bus, record)
         if cut:

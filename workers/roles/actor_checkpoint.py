@@ -36,7 +36,7 @@ async def checkpoint_record(bus: Bus) -> dict[str, Any] | None:
 
 async def kept_checkpoints(bus: Bus) -> dict[int, dict[str, str]]:
     """Every checkpoint the run keeps, by step: `{"object": name}` in the weights store, `{"dir": path}` of shards."""
-    kept = {step: {"object": n} for n in await bus.weights.names() if (step := checkpoint_step(n)) is not None}
+    kept = {step: {"object": n} for n in await bus.checkpoints.names() if (step := checkpoint_step(n)) is not None}
     record = await checkpoint_record(bus)
     if record is not None and "dir" in record:
         root = Path(record["dir"]).parent
@@ -62,7 +62,7 @@ def sharded_path(bus: Bus, step: int) -> Path:
 async def store_checkpoint(bus: Bus, data: bytes, step: int, version: int, floor: int) -> dict[str, Any]:
     """Upload checkpoint bytes, then point the record at them and prune past `trainer.checkpoint.keep`."""
     name = f"{CHECKPOINT_PREFIX}{step}"
-    await through_outage(lambda: bus.weights.put(name, data), f"put checkpoint {name}")
+    await through_outage(lambda: bus.checkpoints.put(name, data), f"put checkpoint {name}")
     return await _record(bus, {"object": name}, name, step, version, floor)
 
 
@@ -82,7 +82,7 @@ async def _record(bus: Bus, where: dict[str, str], name: str, step: int, version
         if root is not None:
             await asyncio.to_thread(shutil.rmtree, root / gone, True)
             continue
-        await through_outage(functools.partial(bus.weights.delete, gone), f"delete checkpoint {gone}")
+        await through_outage(functools.partial(bus.checkpoints.delete, gone), f"delete checkpoint {gone}")
     return record
 
 
@@ -139,7 +139,7 @@ class ActorCheckpoints:
         """Load the recorded checkpoint (a directory of shards, or one object of the weights store); its extra."""
         if "dir" in record:
             return await asyncio.to_thread(self.checkpoints.restore_sharded, record["dir"])
-        data = await through_outage(lambda: self.bus.weights.get(record["object"]), "read checkpoint")
+        data = await through_outage(lambda: self.bus.checkpoints.get(record["object"]), "read checkpoint")
         return await asyncio.to_thread(self.checkpoints.restore, data)
 
     async def _timed(self, save: Coroutine[Any, Any, dict[str, Any]]) -> None:
