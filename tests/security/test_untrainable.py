@@ -61,3 +61,11 @@ def test_reference_rows_must_line_up_with_the_samples():
     )
     few = (WireTensor.from_values([-0.1, -0.2], "float32"),) * (n - 1)
     assert "reference log-prob rows" in (untrainable(group.model_copy(update={"ref_logprobs": few}), VOCAB) or "")
+
+
+def test_a_sequence_longer_than_the_model_context_is_refused():
+    group = f.train("r")  # prompt 3 + response 2 tokens
+    assert untrainable(group, VOCAB, max_tokens=5) is None
+    assert "sample 0: 3 prompt + 2 response tokens exceed the model's context of 4 positions" in (
+        untrainable(group, VOCAB, max_tokens=4) or ""
+    )

@@ -6,7 +6,8 @@ it never generates with weights older than `trainer version - max_staleness` (it
 Each group is stamped with the version of the weights that generated it (with `rollout.partial`, its oldest
 token's version; every token's version travels in `Sample.version_spans`, see `workers.roles.partial`). A
 prompt that can never be generated (a media reference that points nowhere, text the tokenizer refuses, more tokens
-than the model's context) is dead-lettered on its own with the reason, before it could fail a whole batch.
+than the model's context) is dead-lettered on its own with the reason, before it could fail a whole batch; a
+`rollout.max_new_tokens` that fills the model's context by itself is refused at start.
 """
 
 from __future__ import annotations
@@ -311,6 +312,14 @@ async def rollout_worker(
         lambda: make_engine(engine_cfg.type, model_dir, device=device, record_routing=record, **engine_cfg.options())
     )
     engine.version = -1  # nothing loaded from the trainer yet: the first batch waits for v0
+    if engine.max_context is not None and cfg.rollout.max_new_tokens >= engine.max_context:
+        raise ConfigError(
+            "rollout.max_new_tokens",
+            [
+                f"{cfg.rollout.max_new_tokens} new tokens leave no room for a prompt in the model's context of "
+                f"{engine.max_context} tokens"
+            ],
+        )
     if getattr(engine, "processor", None) is not None:
         check_positions(engine.model)  # UnsupportedModelError is a ValueError: refused at start
         if cfg.rollout.partial != "off":

@@ -87,6 +87,10 @@ class PolicyTrainer:
             )
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         """Token ids at or above this are refused before they reach a step (`workers.training.batch.untrainable`)."""
+        text_config = self.model.config.get_text_config()
+        self.max_tokens: int | None = getattr(text_config, "max_position_embeddings", None)
+        """The model's context: a longer prompt + response is refused before it reaches a step, as the rollout
+        refuses a prompt that leaves no room for its response."""
         if cfg.compute.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
@@ -129,7 +133,7 @@ class PolicyTrainer:
 
     def untrainable(self, group: TrainGroup) -> str | None:
         """Why `group` cannot go into a step (`workers.training.batch.untrainable`, and R3's routing), or None."""
-        return untrainable(group, self.vocab_size) or self.forward.problem(group)
+        return untrainable(group, self.vocab_size, self.max_tokens) or self.forward.problem(group)
 
     # ---- RL step -----------------------------------------------------------------------------------------
 
