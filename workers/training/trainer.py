@@ -49,6 +49,7 @@ from relax_bus.log import get_logger
 from schemas import TrainGroup
 from workers.checkpoints.trainer_state import TrainerCheckpoints
 from workers.config import PipelineConfig as RunConfig
+from workers.data.jsonl_task import task_media_root
 from workers.engines.base import MediaInputs
 from workers.training.advantages import group_advantages, shaped_rewards
 from workers.training.batch import Batch, make_batch, stale_masked, untrainable
@@ -80,6 +81,8 @@ class PolicyTrainer:
         self.rank, self.world = self.ranks.rank, self.ranks.world
         model, self.tokenizer, self.prompter = load_policy(model_dir)
         """`prompter`: a multimodal policy's processor (`workers.training.media_policy`), None for a text one."""
+        if self.prompter is not None:
+            self.prompter.media_root = task_media_root(config.task)  # local media files: the task's directory only
         self.model = model.to(self.device)
         if self.prompter is not None and (self.world > 1 or cfg.moe.routing_replay != "off"):
             raise ValueError(
