@@ -179,7 +179,10 @@ class BatchWorker(Worker[In]):
                 self._room.clear()
                 await self._room.wait()
                 continue
-            for msg in await fetch_at_most(sub, room, self.options.fetch_timeout_s):
+            fetched = await fetch_at_most(sub, room, self.options.fetch_timeout_s)
+            for msg in fetched:  # kept alive from now on, also while the ones before them are decoded
+                self._working[id(msg)] = msg
+            for msg in fetched:
                 started = time.perf_counter()
                 opened = await self._open(msg)
                 self.timings["decode_s"] += time.perf_counter() - started
