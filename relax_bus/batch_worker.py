@@ -9,8 +9,10 @@ left it; `admit` may raise the control exceptions, settled where the worker loop
 `Reject` dead-letters. Returning holds the message for the batch. Held and read-ahead messages are kept alive
 until settled. With B held, `handle(batch)` runs once; then every held message is acked, without waiting for the
 server's confirmation (an ack that is lost brings its message back, and `admit` must recognise it as a copy);
-then `settled(batch)` runs (what must follow the acks: step records, checkpoints). A stop, or a failing
-`handle`, hands the held and the read-ahead messages back (nak) for redelivery. A role that restarts from a
+then `settled(batch)` runs (what must follow the acks: step records, checkpoints). `handle` may give the whole
+batch a verdict instead: `Reject` dead-letters every held message with its reason (`Drop` terminates them), and the
+loop goes on with the next batch (`settled` is not called). A stop, or any other failure of `handle`, hands the held
+and the read-ahead messages back (nak) for redelivery. A role that restarts from a
 checkpoint first rewinds the durable (`rewind`) to the ack floor recorded with it, so what followed comes again.
 """
 
@@ -28,6 +30,7 @@ from nats.js import JetStreamContext
 
 from relax_bus.bus import Bus
 from relax_bus.cancel import cancel_and_wait
+from relax_bus.control import Drop, Reject
 from relax_bus.delivery import Counters, Delivery, In, WorkerOptions
 from relax_bus.errors import NatsUnavailable
 from relax_bus.fetch import fetch_at_most
@@ -59,7 +62,8 @@ class BatchRole(Protocol[In]):
         """Return to hold the message for the batch; raise `Skip` / `Drop` / `Reject` to settle it now."""
 
     async def handle(self, batch: Sequence[Held[In]]) -> None:
-        """Handle a full batch; every message of it is acked when this returns."""
+        """Handle a full batch; every message of it is acked when this returns, dead-lettered when it raises
+        `Reject` (terminated on `Drop`)."""
 
     async def settled(self, batch: Sequence[Held[In]]) -> None:
         """After the batch's acks (records that must follow them); may call `BatchWorker.stop`."""
@@ -138,7 +142,13 @@ class BatchWorker(Worker[In]):
             self._held = held
             if not await self._collect(held):
                 break
-            await self.batch_role.handle(held)  # on a failure `run` hands the batch back
+            try:
+                await self.batch_role.handle(held)  # on another failure `run` hands the batch back
+            except (Reject, Drop) as verdict:
+                self._held = []
+                self._room.set()
+                await self._settle_batch(held, verdict)
+                continue
             self._held = []
             self._room.set()  # the next batch is the one to read now
             for h in held:
@@ -169,7 +179,10 @@ class BatchWorker(Worker[In]):
                 self._room.clear()
                 await self._room.wait()
                 continue
-            for msg in await fetch_at_most(sub, room, self.options.fetch_timeout_s):
+            fetched = await fetch_at_most(sub, room, self.options.fetch_timeout_s)
+            for msg in fetched:  # kept alive from now on, also while the ones before them are decoded
+                self._working[id(msg)] = msg
+            for msg in fetched:
                 started = time.perf_counter()
                 opened = await self._open(msg)
                 self.timings["decode_s"] += time.perf_counter() - started
@@ -223,6 +236,13 @@ class BatchWorker(Worker[In]):
             await self._settle(opened.msg, opened.delivery, opened.message, err)
             return False
         return True
+
+    async def _settle_batch(self, held: Sequence[Held[In]], verdict: Reject | Drop) -> None:
+        """Settle every message of a batch with the verdict `handle` gave it (dead letter, or term)."""
+        log.warning("batch_settled_unhandled", role=self.role.name, messages=len(held), reason=verdict.reason)
+        for h in held:
+            self._working.pop(id(h.msg), None)
+            await self._settle(h.msg, h.delivery, h.message, verdict)
 
     async def _hand_back(self, held: Sequence[Held[In]]) -> None:
         """Nak messages this worker will not handle, for redelivery."""

@@ -138,8 +138,10 @@ class BusConfig(BaseModel):
     """How long trained groups stay in the train stream for replay."""
     train_max_bytes: int = Field(default=2 << 30, ge=1 << 20)
     """Byte bound of the train stream, oldest first out (JetStream reserves it on the server's disk)."""
-    ack_wait_s: float = Field(default=60.0, gt=0)
-    """How long a delivered message may go unacknowledged before redelivery (handlers extend it)."""
+    ack_wait_s: float = Field(default=10.0, gt=0)
+    """How long a delivered message may go unacknowledged before redelivery: a dead worker's messages come back at
+    most this long after it died (benchmarks/redelivery.py); a live worker keeps each of its messages alive every
+    ack_wait/4 however long its handler takes, riding out a stalled event loop of up to 3/4 of it."""
     max_deliver: int = Field(default=5, ge=1)
     """Deliveries of one message before it is dead-lettered."""
     max_ack_pending: int = Field(default=256, ge=1)

@@ -12,6 +12,7 @@ from schemas import (
     TrainGroup,
     WireTensor,
 )
+from workers.data.tokenizer import EOS_ID
 
 
 def prompt(run: str, i: int = 0, attempt: int = 0, text: str | None = None, n: int = 2) -> PromptGroup:
@@ -28,15 +29,18 @@ def prompt(run: str, i: int = 0, attempt: int = 0, text: str | None = None, n: i
     )
 
 
-def rollout(p: PromptGroup, version: int = 0) -> RolloutGroup:
-    samples = tuple(
-        Sample(
-            token_ids=WireTensor.from_values([49 + k, 2], "int32"),
-            logprobs=WireTensor.from_values([-0.5, -0.1], "float32"),
-            text=str(k),
-        )
-        for k in range(p.n_samples)
+def said(text: str) -> Sample:
+    """A sample whose token ids are `text` in the byte tokenizer, then eos: the text they decode to is `text`."""
+    ids = [*text.encode(), EOS_ID]
+    return Sample(
+        token_ids=WireTensor.from_values(ids, "int32"),
+        logprobs=WireTensor.from_values([-0.5] * (len(ids) - 1) + [-0.1], "float32"),
+        text=text,
     )
+
+
+def rollout(p: PromptGroup, version: int = 0) -> RolloutGroup:
+    samples = tuple(said(str(k)) for k in range(p.n_samples))
     return RolloutGroup(
         prompt=p,
         prompt_token_ids=WireTensor.from_values([1, 2, 3], "int32"),

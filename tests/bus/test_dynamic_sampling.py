@@ -10,7 +10,7 @@ from relax_bus.control import Skip
 from relax_bus.delivery import WorkerOptions
 from relax_bus.errors import ConfigError
 from relax_bus.kv_counter import KvCounter
-from schemas import PromptGroup, RunEvent, Sample, TrainGroup
+from schemas import PromptGroup, RunEvent, TrainGroup
 from tests.bus.test_publish import read_all
 from tests.waiting import holds, until
 from workers.roles.feeder import feed
@@ -25,10 +25,7 @@ SAMPLING = {"drop_uniform": True, "max_oversample": 2.0}
 
 def with_texts(run: str, i: int, texts: tuple[str, ...]):
     r = f.rollout(f.prompt(run, i, n=len(texts)))
-    samples = tuple(
-        Sample(token_ids=s.token_ids, logprobs=s.logprobs, text=t) for s, t in zip(r.samples, texts, strict=True)
-    )
-    return r.model_copy(update={"samples": samples})
+    return r.model_copy(update={"samples": tuple(f.said(t) for t in texts)})
 
 
 async def filtered_count(bus) -> int:

@@ -9,9 +9,11 @@ import asyncio
 import pytest
 
 from relax_bus.worker import WorkerOptions
-from schemas import TextPart
+from schemas import TextPart, TrainGroup, WireTensor
 from tests import factories as f
+from tests.bus.test_auth import provisioned, secured_server
 from tests.bus.test_publish import read_all
+from tests.conftest import run_config
 from workers.config import task_seed, task_spec
 from workers.data.tasks import load_task
 from workers.roles.feeder import group_for
@@ -46,3 +48,27 @@ async def test_the_trusted_answer_is_the_one_scored(bus):
     task = TrustedTask(items, seed)
     prompt = group_for(bus.run, 2, items, 5, 0, seed)
     assert task.answer(prompt) == items[prompt.index].answer == prompt.answer
+
+
+async def test_a_rollout_whose_text_and_token_ids_disagree_is_scored_by_its_ids(tmp_path):
+    """Finding 5, reward integrity: the actor trains a sample's token ids, so a rollout worker that sends the right
+    answer as text beside other ids (`'7'` with ids `[7, 7]`) must not have those ids rewarded."""
+    config = run_config(task={"type": "addition", "options": {"seed": 5}})
+    async with secured_server(config, tmp_path) as s:
+        admin = await provisioned(s)
+        items, seed = load_task(task_spec(config.task)), task_seed(config.task)
+        prompt = group_for(config.run, 2, items, 0, 0, seed)
+        right = prompt.answer or ""
+        forged = f.said(right).model_copy(update={"token_ids": WireTensor.from_values([7] * len(right) + [7], "int32")})
+        honest = f.said(right)
+        group = f.rollout(prompt).model_copy(update={"samples": (forged, honest)})
+        await (await s.bus("rollout", name="attacker")).publish("rollouts", group)
+
+        worker = reward_worker(await s.bus("reward"), WorkerOptions(fetch_timeout_s=0.2), task=TrustedTask(items, seed))
+        counters = await asyncio.wait_for(worker.run(until_empty=True), 60)
+        assert counters.processed == 1, counters
+        (out,) = await read_all(admin, admin.topology.role("reward").output)
+        scored = out.scored if isinstance(out, TrainGroup) else out
+        assert scored.rewards[1] == 1.0, "the honest sample says the answer in its ids and its text"
+        assert scored.rewards[0] == 0.0, f"ids {forged.token_ids.to_values()} were scored as {right!r}"
+        assert scored.rollout.samples[0].text == "\x07" * (len(right) + 1), "the text trained is the text scored"

@@ -13,7 +13,7 @@ from tests import factories as f
 from workers.training.batch import untrainable
 
 pytestmark = pytest.mark.unit
-VOCAB = 100
+VOCAB = 259  # the byte tokenizer's: the factories' samples are bytes and eos (258)
 
 
 def _with_sample(group: TrainGroup, **update) -> TrainGroup:
@@ -44,7 +44,7 @@ def test_rewards_and_logprobs_must_be_finite(bad):
 
 def test_token_ids_must_be_inside_the_vocabulary():
     group = f.train("r")
-    assert "outside the vocabulary" in (untrainable(group, 50) or ""), "sample ids 49+k reach past 50"
+    assert "outside the vocabulary" in (untrainable(group, 50) or ""), "sample ids 48+k reach past 50"
     negative = _with_sample(group, token_ids=WireTensor.from_values([-1, 2], "int32"))
     assert "sample 0: token id outside" in (untrainable(negative, VOCAB) or "")
     rollout = group.scored.rollout.model_copy(update={"prompt_token_ids": WireTensor.from_values([1, 500], "int32")})
@@ -61,3 +61,11 @@ def test_reference_rows_must_line_up_with_the_samples():
     )
     few = (WireTensor.from_values([-0.1, -0.2], "float32"),) * (n - 1)
     assert "reference log-prob rows" in (untrainable(group.model_copy(update={"ref_logprobs": few}), VOCAB) or "")
+
+
+def test_a_sequence_longer_than_the_model_context_is_refused():
+    group = f.train("r")  # prompt 3 + response 2 tokens
+    assert untrainable(group, VOCAB, max_tokens=5) is None
+    assert "sample 0: 3 prompt + 2 response tokens exceed the model's context of 4 positions" in (
+        untrainable(group, VOCAB, max_tokens=4) or ""
+    )

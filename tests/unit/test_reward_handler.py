@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 
 from relax_bus.stub import StubBus
-from schemas import RolloutGroup, RunEvent, Sample, ScoredGroup, TrainGroup, WireTensor
+from schemas import RolloutGroup, RunEvent, ScoredGroup, TrainGroup
 from tests import factories as f
 from workers.config import PipelineConfig, parse_config, task_seed, task_spec
 from workers.data.tasks import load_task
@@ -28,15 +28,7 @@ def stub_bus(**overrides: object) -> StubBus[PipelineConfig]:
 def answered(bus: StubBus[PipelineConfig], i: int, texts: tuple[str, ...]) -> RolloutGroup:
     """Release `i` of the addition task (its answer is `i + 1`) with one sample per text."""
     group = f.rollout(f.prompt(bus.run, i, n=len(texts)))
-    samples = tuple(
-        Sample(
-            token_ids=WireTensor.from_values([49, 2], "int32"),
-            logprobs=WireTensor.from_values([-0.5, -0.1], "float32"),
-            text=t,
-        )
-        for t in texts
-    )
-    return group.model_copy(update={"samples": samples})
+    return group.model_copy(update={"samples": tuple(f.said(t) for t in texts)})
 
 
 async def test_each_sample_is_scored_against_the_answer_and_goes_to_train_without_a_reference() -> None:

@@ -52,6 +52,14 @@ def test_contradictory_settings_are_explained():
         parse_config({"run": "r1", "groups_per_step": 64, "bus": {"hop_max_msgs": 10}})
 
 
+def test_a_dead_workers_messages_come_back_in_seconds_by_default():
+    """ack_wait bounds how long a SIGKILLed worker's messages stay out of reach (benchmarks/redelivery.py); a live
+    worker keeps its own alive every ack_wait/4, and the dedupe window still covers a redelivery."""
+    bus = parse_config({"run": "r1"}).bus
+    assert bus.ack_wait_s <= 15
+    assert bus.duplicate_window_s >= bus.ack_wait_s
+
+
 def test_unreadable_and_non_mapping_files(tmp_path):
     with pytest.raises(ConfigError, match="cannot read file"):
         load_config(tmp_path / "missing.yaml")

@@ -51,6 +51,9 @@ class JsonlOptions(Section):
     """Task name recorded with each item (it selects the default reward)."""
     limit: int | None = Field(default=None, ge=1)
     """Keep only the first `limit` lines."""
+    media_root: str | None = Field(default=None, min_length=1)
+    """The one directory media `path`s and `file://` URIs are read from (null: the file's own directory); a
+    device, a non-regular file or anything outside it (`..`, a symlink out) is refused."""
 
 
 class HfOptions(Section):

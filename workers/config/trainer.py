@@ -257,6 +257,9 @@ class TrainerConfig(Section):
     """Trainer steps of the run; each consumes `groups_per_step` groups and publishes one policy version."""
     mini_batches: int = Field(default=1, ge=1)
     """Optimizer updates per pass over a step's sequences (PPO mini-batches, each a contiguous slice)."""
+    step_tries: int = Field(default=3, ge=1)
+    """Tries of a step whose update raises (a batch the model cannot take) before its groups are dead-lettered with
+    the error and the actor goes on with the next batch."""
     ppo_epochs: int = Field(default=1, ge=1)
     """Passes over a step's sequences. With mini_batches x ppo_epochs > 1 the old-policy log-probs are
     computed once before the first update, so the PPO ratio moves and its clip binds."""

@@ -2,6 +2,10 @@
 
 A media part gives its bytes as exactly one of `path` (read at load, relative to the file), `uri` (a reference
 the workers open) or `base64` (inline; `mime` required). Every bad line is reported at once, with its number.
+
+Local media files are read from one directory only (`media_root`: the option, else the file's own directory), at
+load and by the workers alike (`read_inside`): a path that leads outside it (`..`, an absolute path, a symlink out)
+or to anything but a regular file (`/dev/zero`, a FIFO) is refused with one line.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ import base64
 import binascii
 import json
 import mimetypes
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +32,13 @@ _MEDIA_TYPES: dict[str, _PartModel] = {
 }
 
 
-def jsonl(path: str | Path, task: str = "jsonl", limit: int | None = None) -> list[TaskItem]:
+def jsonl(
+    path: str | Path, task: str = "jsonl", limit: int | None = None, media_root: str | Path | None = None
+) -> list[TaskItem]:
     """One item per non-blank line; every bad line is reported at once, with its line number."""
     check_limit("jsonl", limit)
     file = Path(path)
+    root = jsonl_media_root(file, media_root)
     try:
         lines = file.read_text(encoding="utf-8").splitlines()
     except OSError as err:
@@ -40,7 +49,7 @@ def jsonl(path: str | Path, task: str = "jsonl", limit: int | None = None) -> li
         if not line.strip():
             continue
         try:
-            parts, answer, name = _parse_record(line, file.parent)
+            parts, answer, name = _parse_record(line, file.parent, root)
         except ValueError as err:
             errors.append((lineno, _describe(err)))
             continue
@@ -52,7 +61,55 @@ def jsonl(path: str | Path, task: str = "jsonl", limit: int | None = None) -> li
     return items[:limit]
 
 
-def _parse_record(line: str, base: Path) -> tuple[tuple[Part, ...], str | None, str | None]:
+def jsonl_media_root(path: str | Path, media_root: str | Path | None = None) -> Path:
+    """The directory a jsonl file's media are read from: `media_root`, else the file's own directory (absolute)."""
+    return Path(media_root if media_root is not None else Path(path).parent).absolute()
+
+
+def task_media_root(task: Any) -> Path | None:
+    """The directory a run's local media files are read from (`jsonl_media_root`); None when the task has no file
+    of its own (then no local media file is read at all)."""
+    options = getattr(task, "options", None)
+    if getattr(task, "type", None) != "jsonl" or options is None:
+        return None
+    return jsonl_media_root(options.path, options.media_root)
+
+
+def media_file(path: str | Path, root: Path | None) -> Path:
+    """`path` with every symlink followed, if it is a regular file inside `root`; ValueError (one line) otherwise:
+    no root, a path out of it, a device, a FIFO, a directory, a missing file."""
+    if root is None:
+        raise ValueError(f"{str(path)!r}: this run reads no local media file (only a jsonl task's directory)")
+    try:
+        base = root.resolve(strict=True)
+    except (OSError, RuntimeError) as err:
+        raise ValueError(f"media root {str(root)!r} cannot be used: {getattr(err, 'strerror', None) or err}") from None
+    try:
+        real = Path(path).resolve(strict=True)
+        mode = real.stat().st_mode
+    except (OSError, RuntimeError) as err:
+        raise ValueError(f"{str(path)!r} cannot be read: {getattr(err, 'strerror', None) or err}") from None
+    if not real.is_relative_to(base):
+        raise ValueError(f"{str(path)!r} is outside {str(base)!r}, the only directory media files are read from")
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{str(path)!r} is not a regular file")
+    return real
+
+
+def read_inside(path: str | Path, root: Path | None) -> bytes:
+    """The bytes of `path` if `media_file` accepts it; ValueError (one line) otherwise."""
+    real = media_file(path, root)
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO swapped in would block without it
+    except OSError as err:
+        raise ValueError(f"{str(path)!r} cannot be read: {err.strerror or err}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # what was opened: nothing swapped in since the check
+            raise ValueError(f"{str(path)!r} is not a regular file")
+        return f.read()
+
+
+def _parse_record(line: str, base: Path, root: Path) -> tuple[tuple[Part, ...], str | None, str | None]:
     """Parts, answer and task name of one JSONL line; ValueError says what is wrong with it."""
     try:
         record = json.loads(line)
@@ -71,7 +128,7 @@ def _parse_record(line: str, base: Path) -> tuple[tuple[Part, ...], str | None, 
     if isinstance(prompt, str):
         parts: tuple[Part, ...] = (TextPart(text=prompt),)
     elif isinstance(prompt, list) and prompt:
-        parts = tuple(_parse_part(p, i, base) for i, p in enumerate(prompt))
+        parts = tuple(_parse_part(p, i, base, root) for i, p in enumerate(prompt))
     else:
         raise ValueError("'prompt' must be a string or a non-empty list of parts")
     answer = record.get("answer")
@@ -85,7 +142,7 @@ def _parse_record(line: str, base: Path) -> tuple[tuple[Part, ...], str | None, 
     return parts, answer, name
 
 
-def _parse_part(part: Any, i: int, base: Path) -> Part:
+def _parse_part(part: Any, i: int, base: Path, root: Path) -> Part:
     """One element of a prompt list: text as is, media from a `path` (read inline), a `uri` (a reference) or
     `base64` bytes (inline; `mime` required)."""
     where = f"prompt[{i}]"
@@ -116,11 +173,10 @@ def _parse_part(part: Any, i: int, base: Path) -> Part:
             raise ValueError(f"{where} ({kind}) has no 'mime' and none can be guessed from {source!r}")
         fields["mime"] = guessed
     if path is not None:
-        file = base / str(path)
         try:
-            fields["inline"] = file.read_bytes()
-        except OSError as err:
-            raise ValueError(f"{where} ({kind}) cannot read {str(file)!r}: {err.strerror or err}") from None
+            fields["inline"] = read_inside(base / str(path), root)
+        except ValueError as err:
+            raise ValueError(f"{where} ({kind}): {err}") from None
     else:
         fields["ref"] = MediaRef(uri=source)
     return _validate(model, fields, where)

@@ -47,7 +47,7 @@ from workers.config.model_source import (
     TinySource,
 )
 from workers.data.model_build import SOURCE_FILE, TINY_POSITIONS, build_in_code
-from workers.data.tokenizer import SPECIAL_IDS, build_byte_tokenizer
+from workers.data.tokenizer import BYTE_SOURCES, SPECIAL_IDS, build_byte_tokenizer
 
 KNOWN_SOURCES = (
     "'tiny', 'tiny:<hidden>x<layers>' (e.g. 'tiny:128x2'), 'tiny-moe', 'tiny-omni', 'hf:<repo id>', "
@@ -165,3 +165,18 @@ def _from_pretrained(loader: Any, name: str, revision: str | None = None, **kwar
         if Path(name).is_dir():
             raise
         raise ValueError(f"cannot load hf:{name} (hub unreachable or repo unknown): {err}") from err
+
+
+def source_tokenizer(source: AnySource | str, cache_dir: Path | None = None, seed: int = 0) -> PreTrainedTokenizerBase:
+    """The tokenizer of `source` without loading its weights: the byte tokenizer of the models built in code over
+    it, the one saved with a local or hub model, or, for `tiny-omni`, the one built with it under `cache_dir`."""
+    source = as_source(source)
+    if source.type in BYTE_SOURCES:
+        return build_byte_tokenizer()
+    if isinstance(source, HfSource):
+        return _from_pretrained(AutoTokenizer, source.id, source.revision)  # type: ignore[no-any-return]
+    if isinstance(source, DirSource):
+        return load_tokenizer(materialize(source, Path(".")))  # a directory is used as is: nothing is written
+    if cache_dir is None:
+        raise ValueError(f"the tokenizer of a {source.type} model is built with it: a cache directory is needed")
+    return load_tokenizer(materialize(source, Path(cache_dir) / "base", seed))

@@ -4,7 +4,9 @@ The feeder stores each inline media payload once in the run's media object store
 and releases the part as a reference (`by_reference`, a pure function: the reward role recomputes it to
 check a prompt against the task's release). Every sample of the group, every epoch and every role then
 refers to the same object. A rollout worker and the actor read payloads through a `PayloadCache` (one fetch
-per digest per process). Nothing here imports the media stack (torch, PIL, soundfile).
+per digest per process). A `file://` reference is read only inside the run's media root (the jsonl task's
+directory, `workers.data.jsonl_task.read_inside`): a message cannot make a worker read `/dev/zero` or a file out
+of it. Nothing here imports the media stack (torch, PIL, soundfile).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from urllib.parse import unquote, urlparse
 from relax_bus.blobs import BlobStore
 from relax_bus.errors import BlobCorrupt, BlobNotFound
 from schemas.parts import MediaRef, Part, TextPart
+from workers.data.jsonl_task import read_inside
 from workers.omni.errors import MediaError
 
 
@@ -65,10 +68,14 @@ def media_bytes(parts: Sequence[Part]) -> int:
 
 
 class PayloadCache:
-    """Media payloads by reference, read from the media store (or a local file) once per process, LRU-bounded."""
+    """Media payloads by reference, read from the media store (or a local file under `root`) once per process,
+    LRU-bounded."""
 
-    def __init__(self, store: BlobStore, max_bytes: int = 256 << 20) -> None:
+    def __init__(self, store: BlobStore, max_bytes: int = 256 << 20, root: Path | None = None) -> None:
         self.store = store
+        self.root = root
+        """The one directory `file://` references are read from (`workers.data.jsonl_task.task_media_root`); None:
+        none is read."""
         self.max_bytes = max_bytes
         self._held: OrderedDict[MediaRef, bytes] = OrderedDict()
         self._size = 0
@@ -87,7 +94,7 @@ class PayloadCache:
                 continue
             try:
                 out[part.ref] = await self._get(part.ref)
-            except (BlobNotFound, BlobCorrupt, OSError) as err:
+            except (BlobNotFound, BlobCorrupt, OSError, MediaError) as err:
                 raise MediaError(f"prompt part {i} ({part.type}): {part.ref.digest or part.ref.uri}: {err}") from None
         return out
 
@@ -98,7 +105,7 @@ class PayloadCache:
         if ref.digest is not None:
             data = await self.store.get_content(ref.digest)
         else:
-            data = read_uri(ref.uri or "")
+            data = read_uri(ref.uri or "", self.root)
         self.fetched_bytes += len(data)
         self._held[ref] = data
         self._size += len(data)
@@ -108,9 +115,18 @@ class PayloadCache:
         return data
 
 
-def read_uri(uri: str) -> bytes:
-    """The bytes of a `file://` URI (or a plain path); MediaError for any other scheme."""
+def read_uri(uri: str, root: Path | None) -> bytes:
+    """The bytes of a `file://` URI (or a plain path) naming a regular file inside `root`; MediaError for any other
+    scheme, and for a file out of `root` or not regular (`read_inside`)."""
     parsed = urlparse(uri)
     if parsed.scheme not in ("file", ""):
         raise MediaError(f"media URI scheme {parsed.scheme!r} cannot be read here (only file://): {uri}")
-    return Path(unquote(parsed.path)).read_bytes()
+    try:
+        return read_inside(uri_path(uri), root)
+    except ValueError as err:
+        raise MediaError(str(err)) from None
+
+
+def uri_path(uri: str) -> Path:
+    """The local path of a `file://` URI (or a plain path)."""
+    return Path(unquote(urlparse(uri).path))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from schemas.parts import MediaRef, Part
@@ -20,8 +21,10 @@ from workers.omni.media_refs import read_uri
 class MediaPrompter:
     """A multimodal model's processor, turning a prompt's parts into the tensors of one forward."""
 
-    def __init__(self, processor: Any, limits: MediaLimits | None = None) -> None:
+    def __init__(self, processor: Any, limits: MediaLimits | None = None, media_root: Path | None = None) -> None:
         self.processor = processor
+        self.media_root = media_root
+        """The one directory `file://` media are read from (`workers.omni.media_refs.read_uri`); None: none is."""
         self.tokenizer = processor.tokenizer
         self.limits = limits or MediaLimits()
         self.sample_rate = int(getattr(processor.feature_extractor, "sampling_rate", 16000))
@@ -37,7 +40,7 @@ class MediaPrompter:
             if ref in held:
                 return held[ref]
             if ref.uri is not None:
-                return read_uri(ref.uri)
+                return read_uri(ref.uri, self.media_root)
             raise MediaError(f"media {ref.digest} was not read before decoding")
 
         try:

@@ -5,7 +5,10 @@ settles and shuts down. Per step the loop holds B admitted train groups: `admit`
 already trained (acked without training) and applies the run's staleness rule (`admit_fresh`: stale
 groups are dropped or requeued); `handle` runs one optimizer update, snapshots the weights of version
 v+1 and starts publishing them; the loop then acks the step's messages; `settled` records the step and
-checkpoints. Order matters: a crash before the ack leaves the groups unacked, so they come back.
+checkpoints. Order matters: a crash before the ack leaves the groups unacked, so they come back. A step whose update
+raises is tried again up to `trainer.step_tries` times; then its groups are dead-lettered with the error (the feeder
+replaces them, as any dead letter) and the actor goes on with the next batch instead of crash-looping on this one.
+A failure after some of a step's updates (mini_batches > 1) leaves those updates in the weights.
 
 Publishing is off the critical path: the snapshot (a copy of the weights) is handed to a task that
 writes it through the weight transport and only then advances `policy.version` (compare-and-set) and
@@ -244,9 +247,7 @@ class Actor:
         lags = collections.Counter(version - h.message.policy_version for h in batch)
         # In release order, not arrival order: the update does not depend on which worker answered first.
         groups = sorted((h.message for h in batch), key=lambda g: g.prompt.release_index)
-        metrics, snapshot, snapshot_s = await asyncio.to_thread(
-            self._train_and_snapshot, groups, version, self.media.take(groups)
-        )
+        metrics, snapshot, snapshot_s = await self._train(groups, version, self.media.take(groups))
         metrics = {**metrics, **self.media.metrics(groups)}
         sync_started = time.perf_counter()
         await self._published()  # v is readable before v+1 starts: versions advance in order
@@ -273,6 +274,24 @@ class Actor:
             await self._checkpoint()
         if self.state.step >= self.cfg.trainer.steps:
             self.worker.stop()
+
+    async def _train(
+        self, groups: list[TrainGroup], version: int, media: Any
+    ) -> tuple[dict[str, float], dict[str, torch.Tensor], float]:
+        """`_train_and_snapshot`, tried `trainer.step_tries` times; then `Reject`: the batch is dead-lettered."""
+        tries, step = self.cfg.trainer.step_tries, self.state.step + 1
+        error = ""
+        for attempt in range(1, tries + 1):
+            try:
+                return await asyncio.to_thread(self._train_and_snapshot, groups, version, media)
+            except Exception as err:  # deliberate: a batch the step cannot take must not crash-loop the actor
+                error = f"{type(err).__name__}: {err}"
+                log.warning("step_failed", step=step, attempt=attempt, tries=tries, error=error)
+        for g in groups:  # settled: a copy of a dead-lettered group is skipped, as the feeder replaces it
+            self.state.settled.add(f"{g.group_id}/{g.prompt.attempt}")
+        reason = f"step {step} failed {tries} times on this batch, last: {error}"
+        await self._event("step_dead_lettered", step=step, groups=",".join(g.group_id for g in groups), reason=reason)
+        raise Reject(reason)
 
     def _train_and_snapshot(
         self, groups: list[TrainGroup], version: int, media: Any

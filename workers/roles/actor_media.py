@@ -28,7 +28,7 @@ class ActorMedia:
 
     def __init__(self, prompter: Any, store: BlobStore) -> None:
         self.prompter = prompter
-        self.payloads = PayloadCache(store)
+        self.payloads = PayloadCache(store, root=getattr(prompter, "media_root", None))
         self.held: dict[int, MediaInputs] = {}
         self._seconds = 0.0
         self._bytes = 0

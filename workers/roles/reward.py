@@ -3,8 +3,10 @@
 Rewards come from the run config (`rewards:`), or the task's default; the answer each group is scored
 against comes from the run's task, not from the message (`TrustedTask`). User code is contained by the
 scorer (timeout, exceptions become a zero reward with the error recorded), so one bad sample never
-kills the worker. Output goes to `scored` when the reference role is in the chain, else straight to
-`train`.
+kills the worker. What is scored is what the actor trains: each sample's text is decoded here from its
+token ids with the run's tokenizer (`scored_text`), never taken from the message, so a rollout whose text
+says one thing and whose ids another is scored by its ids (and the scored group carries that text on).
+Output goes to `scored` when the reference role is in the chain, else straight to `train`.
 
 Dynamic sampling (`sampling.drop_uniform`): a group whose rewards are all equal has zero advantages, so it is
 not published; it is recorded in the run's filtered set (`workers.roles.filtered_credit`, which returns its
@@ -16,15 +18,18 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from relax_bus.bus import Bus
 from relax_bus.control import Reject, Skip
 from relax_bus.errors import ConfigError
 from relax_bus.log import get_logger
 from relax_bus.worker import Delivery, Worker, WorkerOptions
-from schemas import PromptGroup, RewardDetail, RolloutGroup, RunEvent, ScoredGroup, TrainGroup
+from schemas import PromptGroup, RewardDetail, RolloutGroup, RunEvent, Sample, ScoredGroup, TrainGroup
 from workers.config import PipelineConfig, task_seed, task_spec
 from workers.data.tasks import TaskItem, load_task
+from workers.data.tokenizer import BYTE_SOURCES, build_byte_tokenizer
 from workers.omni.media_refs import by_reference
 from workers.rewards.scorer import Scorer, default_rewards
 from workers.roles.feeder import released_item
@@ -44,6 +49,20 @@ def make_scorer_from(cfg: PipelineConfig) -> Scorer:
     return Scorer(list(cfg.rewards) or default_rewards(_task_name(cfg)))
 
 
+def run_tokenizer(cfg: PipelineConfig, cache_dir: Path | None = None) -> Any:
+    """The run's tokenizer, as the rollout decodes with it: without torch for the models built on bytes."""
+    if cfg.model.source.type in BYTE_SOURCES:
+        return build_byte_tokenizer()
+    from workers.data.models import source_tokenizer  # torch and transformers: a real model's tokenizer
+
+    return source_tokenizer(cfg.model.source, cache_dir, cfg.model.seed)
+
+
+def scored_text(tokenizer: Any, sample: Sample) -> str:
+    """The text the actor trains on: the sample's token ids decoded as the engines decode them."""
+    return str(tokenizer.decode(sample.token_ids.to_values(), skip_special_tokens=True))
+
+
 def _task_name(cfg: PipelineConfig) -> str:
     """The task name the items carry (a jsonl file may name its own), which picks the default reward."""
     options = cfg.task.options
@@ -54,7 +73,8 @@ async def serve(ctx: RoleContext) -> None:
     """`relax worker reward`: the run's task is loaded, so every group is scored against its own answer."""
     cfg = ctx.connected.config
     task = TrustedTask(load_task(task_spec(cfg.task)), task_seed(cfg.task))
-    await run_worker(ctx, reward_worker(ctx.connected, task=task))
+    tokenizer = await asyncio.to_thread(run_tokenizer, cfg, ctx.cache)
+    await run_worker(ctx, reward_worker(ctx.connected, task=task, tokenizer=tokenizer))
 
 
 @dataclass(frozen=True)
@@ -89,24 +109,39 @@ class TrustedTask:
         return item.answer
 
 
-def score_group(scorer: Scorer, group: RolloutGroup, worker_id: str = "", answer: str | None = None) -> ScoredGroup:
+def score_group(
+    scorer: Scorer, group: RolloutGroup, worker_id: str = "", answer: str | None = None, tokenizer: Any = None
+) -> ScoredGroup:
     """Score each sample against `answer` (default: the one the message carries); failures are zero
-    rewards with the error in the details."""
+    rewards with the error in the details. With `tokenizer`, the text scored is decoded from the token ids
+    (`scored_text`), and a sample whose sent text differs carries the decoded one on."""
     rewards, details = [], []
     answer = group.prompt.answer if answer is None else answer
-    for sample in group.samples:
+    samples = group.samples if tokenizer is None else tuple(_as_decoded(tokenizer, s) for s in group.samples)
+    if samples != group.samples:
+        differ = sum(a.text != b.text for a, b in zip(samples, group.samples, strict=True))
+        log.warning("sample_text_replaced", group_id=group.group_id, samples=differ, source=group.worker_id)
+        group = group.model_copy(update={"samples": samples})
+    for sample in samples:
         reward, components, error = scorer.score(sample.text, answer, sample.finish_reason)
         rewards.append(reward)
         details.append(RewardDetail(components=components, error=error))
     return ScoredGroup(rollout=group, rewards=tuple(rewards), details=tuple(details), worker_id=worker_id)
 
 
+def _as_decoded(tokenizer: Any, sample: Sample) -> Sample:
+    text = scored_text(tokenizer, sample)
+    return sample if text == sample.text else sample.model_copy(update={"text": text})
+
+
 def reward_worker(
-    bus: Bus, options: WorkerOptions | None = None, task: TrustedTask | None = None
+    bus: Bus, options: WorkerOptions | None = None, task: TrustedTask | None = None, tokenizer: Any = None
 ) -> Worker[RolloutGroup]:
     """A Worker running the reward handler on the run's rollouts; with `task`, each group's prompt is checked
-    against the task's release and scored with the task's answer (the role always passes it)."""
+    against the task's release and scored with the task's answer (the role always passes it). Samples are scored
+    by the text of their token ids, decoded with `tokenizer` (default: the run's, `run_tokenizer`)."""
     scorer = make_scorer(bus)
+    tokenizer = tokenizer if tokenizer is not None else run_tokenizer(bus.config)
     options = options or WorkerOptions(concurrency=4)
     to_train = bus.topology.role("reward").output == "train"
     one_at_a_time = asyncio.Lock()  # the scorer's user-code child serves one call at a time
@@ -121,7 +156,7 @@ def reward_worker(
     async def handle(group: RolloutGroup, delivery: Delivery) -> ScoredGroup | TrainGroup:
         answer = task.answer(group.prompt) if task is not None else None
         async with one_at_a_time:
-            scored = await asyncio.to_thread(score_group, scorer, group, worker_id, answer)
+            scored = await asyncio.to_thread(score_group, scorer, group, worker_id, answer, tokenizer)
         if drop_uniform:
             await filter_uniform(bus, scored, worker_id)
         return TrainGroup(scored=scored) if to_train else scored

@@ -6,7 +6,8 @@ it never generates with weights older than `trainer version - max_staleness` (it
 Each group is stamped with the version of the weights that generated it (with `rollout.partial`, its oldest
 token's version; every token's version travels in `Sample.version_spans`, see `workers.roles.partial`). A
 prompt that can never be generated (a media reference that points nowhere, text the tokenizer refuses, more tokens
-than the model's context) is dead-lettered on its own with the reason, before it could fail a whole batch.
+than the model's context) is dead-lettered on its own with the reason, before it could fail a whole batch; a
+`rollout.max_new_tokens` that fills the model's context by itself is refused at start.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
-from urllib.parse import unquote, urlparse
+from urllib.parse import urlparse
 
 from relax_bus.bus import Bus
 from relax_bus.control import Reject, Retry
@@ -29,6 +30,7 @@ from relax_bus.staleness import sync_floor
 from relax_bus.worker import Delivery, Worker, WorkerOptions
 from schemas import PromptGroup, RolloutGroup, RolloutTimings, Sample, WireTensor
 from schemas.parts import MediaPart
+from workers.data.jsonl_task import media_file, task_media_root
 from workers.data.models import load_tokenizer, materialize
 from workers.data.prompts import prompt_ids
 from workers.data.tasks import prompt_text
@@ -36,7 +38,7 @@ from workers.engines.base import Engine, Generated, MediaEngine, MediaInputs, Sa
 from workers.omni.errors import MediaError
 from workers.omni.loading import is_multimodal
 from workers.omni.logprobs import check_positions
-from workers.omni.media_refs import PayloadCache, has_media
+from workers.omni.media_refs import PayloadCache, has_media, uri_path
 from workers.omni.prompts import MediaPrompter
 from workers.roles.partial import generate_partial, labelled
 from workers.roles.serve import RoleContext, run_worker
@@ -75,9 +77,11 @@ class Rollout:
         self.batch = cfg.batch_groups
         self._tokenizing = threading.Lock()  # handlers tokenise in threads; one tokenizer object serves them all
         processor = getattr(engine, "processor", None)
-        self.prompter = None if processor is None else MediaPrompter(processor)
+        self.media_root = task_media_root(bus.config.task)
+        """The one directory `file://` media references are read from (the jsonl task's); None: none is."""
+        self.prompter = None if processor is None else MediaPrompter(processor, media_root=self.media_root)
         """Turns media prompts into processor tensors (a multimodal engine only; a text model reads the text parts)."""
-        self.payloads = PayloadCache(bus.media)
+        self.payloads = PayloadCache(bus.media, root=self.media_root)
         self._loop_task: asyncio.Task[None] | None = None
         self.worker: Worker[PromptGroup] | None = None
 
@@ -239,7 +243,8 @@ class Rollout:
             raise Reject(f"prompt media cannot be used: {err}") from None
 
     async def _check_media(self, prompt: PromptGroup) -> None:
-        """Reject a prompt whose media reference names no object in the run's media store (or no local file)."""
+        """Reject a prompt whose media reference names no object in the run's media store (or no regular file inside
+        the run's media root)."""
         for i, part in enumerate(prompt.parts):
             ref = part.ref if isinstance(part, MediaPart) else None
             if ref is None or ref in self.payloads:  # read already: it exists (the store lookup is a round trip)
@@ -248,9 +253,11 @@ class Rollout:
             media = self.bus.media
             if ref.digest is not None and await media.info(ref.digest.removeprefix("sha256:")) is None:
                 raise Reject(f"{where} references {ref.digest}, which is not in the media store {media.bucket}")
-            uri = urlparse(ref.uri or "")
-            if uri.scheme == "file" and not Path(unquote(uri.path)).is_file():
-                raise Reject(f"{where} references {ref.uri}, which is not a file on this worker")
+            if ref.uri is not None and urlparse(ref.uri).scheme in ("file", ""):
+                try:
+                    media_file(uri_path(ref.uri), self.media_root)
+                except ValueError as err:
+                    raise Reject(f"{where} references {ref.uri}, which this worker does not read: {err}") from None
 
 
 def group_seed(base: int, prompt: PromptGroup) -> int:
@@ -311,6 +318,14 @@ async def rollout_worker(
         lambda: make_engine(engine_cfg.type, model_dir, device=device, record_routing=record, **engine_cfg.options())
     )
     engine.version = -1  # nothing loaded from the trainer yet: the first batch waits for v0
+    if engine.max_context is not None and cfg.rollout.max_new_tokens >= engine.max_context:
+        raise ConfigError(
+            "rollout.max_new_tokens",
+            [
+                f"{cfg.rollout.max_new_tokens} new tokens leave no room for a prompt in the model's context of "
+                f"{engine.max_context} tokens"
+            ],
+        )
     if getattr(engine, "processor", None) is not None:
         check_positions(engine.model)  # UnsupportedModelError is a ValueError: refused at start
         if cfg.rollout.partial != "off":

@@ -150,10 +150,11 @@ def routed_experts(t: WireTensor | None) -> torch.Tensor | None:
     return torch.frombuffer(bytearray(t.data), dtype=dtype).view(t.shape)
 
 
-def untrainable(group: TrainGroup, vocab_size: int) -> str | None:
+def untrainable(group: TrainGroup, vocab_size: int, max_tokens: int | None = None) -> str | None:
     """Why a train group cannot go into a step, or None: a reward or log-prob that is not finite (one NaN
-    would reach every weight), a token id outside the vocabulary, reference log-probs that do not line up
-    with the responses, or an empty prompt."""
+    would reach every weight), a token id outside the vocabulary, a prompt + response longer than the model's
+    context (`max_tokens` positions; None: no limit), reference log-probs that do not line up with the
+    responses, or an empty prompt."""
     scored, rollout = group.scored, group.scored.rollout
     if not all(math.isfinite(r) for r in scored.rewards):
         return f"reward not finite: {list(scored.rewards)}"
@@ -167,6 +168,11 @@ def untrainable(group: TrainGroup, vocab_size: int) -> str | None:
             return f"sample {i}: token id outside the vocabulary of {vocab_size}"
         if not _finite(s.logprobs):
             return f"sample {i}: rollout log-prob not finite"
+        if max_tokens is not None and len(prompt) + s.token_ids.numel > max_tokens:
+            return (
+                f"sample {i}: {len(prompt)} prompt + {s.token_ids.numel} response tokens exceed the model's context "
+                f"of {max_tokens} positions"
+            )
     if group.ref_logprobs is not None:
         if len(group.ref_logprobs) != len(rollout.samples):
             return f"{len(group.ref_logprobs)} reference log-prob rows for {len(rollout.samples)} samples"

@@ -49,6 +49,7 @@ from relax_bus.log import get_logger
 from schemas import TrainGroup
 from workers.checkpoints.trainer_state import TrainerCheckpoints
 from workers.config import PipelineConfig as RunConfig
+from workers.data.jsonl_task import task_media_root
 from workers.engines.base import MediaInputs
 from workers.training.advantages import group_advantages, shaped_rewards
 from workers.training.batch import Batch, make_batch, stale_masked, untrainable
@@ -80,6 +81,8 @@ class PolicyTrainer:
         self.rank, self.world = self.ranks.rank, self.ranks.world
         model, self.tokenizer, self.prompter = load_policy(model_dir)
         """`prompter`: a multimodal policy's processor (`workers.training.media_policy`), None for a text one."""
+        if self.prompter is not None:
+            self.prompter.media_root = task_media_root(config.task)  # local media files: the task's directory only
         self.model = model.to(self.device)
         if self.prompter is not None and (self.world > 1 or cfg.moe.routing_replay != "off"):
             raise ValueError(
@@ -87,6 +90,10 @@ class PolicyTrainer:
             )
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         """Token ids at or above this are refused before they reach a step (`workers.training.batch.untrainable`)."""
+        text_config = self.model.config.get_text_config()
+        self.max_tokens: int | None = getattr(text_config, "max_position_embeddings", None)
+        """The model's context: a longer prompt + response is refused before it reaches a step, as the rollout
+        refuses a prompt that leaves no room for its response."""
         if cfg.compute.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
@@ -129,7 +136,7 @@ class PolicyTrainer:
 
     def untrainable(self, group: TrainGroup) -> str | None:
         """Why `group` cannot go into a step (`workers.training.batch.untrainable`, and R3's routing), or None."""
-        return untrainable(group, self.vocab_size) or self.forward.problem(group)
+        return untrainable(group, self.vocab_size, self.max_tokens) or self.forward.problem(group)
 
     # ---- RL step -----------------------------------------------------------------------------------------
 
