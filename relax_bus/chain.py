@@ -36,7 +36,7 @@ class Grants(BaseModel):
     writes_weights: bool = False
     """Puts and deletes weights and checkpoints in the weights store."""
     watches_version: bool = False
-    """Follows policy.version with a KV watcher (an ordered consumer on the state bucket)."""
+    """Follows policy.version (a core subscription to its key's subject wakes it; the key is read by direct get)."""
     reaps: bool = True
     """Runs the bus's worker loop, which dead-letters (reads, then deletes) unsettled input messages."""
     resets_consumer: bool = False

@@ -65,7 +65,7 @@ FollowHandler = Callable[[list[Followed]], Awaitable[None]]
 
 
 class Follower(Loop):
-    """Reads one limits stream in order, from a role's durable or from an ordered consumer."""
+    """Reads one limits stream in order, from a role's durable or by direct get."""
 
     def __init__(
         self,
@@ -82,7 +82,7 @@ class Follower(Loop):
         self.stream = bus.topology.stream(stream_key)
         self.handle = handle
         self.durable = bus.topology.consumer(stream_key).durable if role is not None else None
-        """The role's durable consumer (None: an ordered consumer, no acks)."""
+        """The role's durable consumer (None: read by direct get, no acks)."""
         self.batch = batch
         self.last_seq = from_seq - 1
         """Stream sequence of the last message handed out."""

@@ -15,7 +15,7 @@ async def test_applying_twice_is_idempotent(settings):
     js = nc.jetstream()
     try:
         first = await provision(js, config)
-        assert len(first.created) == 6 + 4 + 2 + 2 and not first.updated  # streams, durables, buckets, stores
+        assert len(first.created) == 6 + 4 + 2 + 3 and not first.updated  # streams, durables, buckets, stores
         second = await provision(js, config)
         assert second.created == [] and second.updated == []
         assert sorted(second.unchanged) == sorted(first.created)

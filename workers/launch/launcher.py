@@ -242,8 +242,8 @@ async def _follow(bus: Bus, config: RunConfig, watch: Watch, run_dir: Path, out:
                         progress.note(warmup_line(event))
                 await watch.look(progress.note)
                 if processes.ended():
-                    # The actor's last events may still be on their way (an ordered consumer catching up
-                    # after an outage, say): take them, for a few seconds at most.
+                    # The actor's last events may still be on their way (the follower asking again after
+                    # an outage, say): take them, for a few seconds at most.
                     ended_at = ended_at or time.monotonic()
                     if len(rewards) >= config.trainer.steps or time.monotonic() - ended_at > DRAIN_S:
                         break

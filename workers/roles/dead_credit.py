@@ -1,6 +1,6 @@
 """Credit for dead-lettered groups: a released group that a stage dead-lettered will never train.
 
-The feeder follows the run's dlq stream from its start (the bus's `Follower` on an ordered consumer, so a
+The feeder follows the run's dlq stream from its start (the bus's `Follower`, by direct get, so a
 restarted feeder counts the same letters again) and collects the release index of every dead letter whose payload is
 one of this run's groups. A letter that is not a group (garbage, a foreign message) earns nothing, and neither
 does one naming a group the feeder never released (a release index it has not reached, or a group id other than
