@@ -29,6 +29,7 @@ from workers.rewards.sandbox import confine
 from workers.rewards.sandbox.client import Sandbox
 from workers.rewards.sandbox.process import OUTPUT_TAIL_BYTES
 from workers.rewards.scorer import Scorer
+from workers.roles.serve import SANDBOX_HIDES
 
 pytestmark = pytest.mark.workers
 
@@ -274,10 +275,12 @@ def test_one_memory_limit_holds_for_the_whole_sandbox_tree():
 WORKER = """
 import json, os, socket, sys
 from relax_bus.log import configure
-from workers.roles.serve import make_undumpable
+from workers.roles.serve import hidden_by_launcher, make_undumpable
+from workers.rewards.sandbox.process import hide
 from workers.rewards.scorer import Scorer
 configure("warning")
 make_undumpable()  # what every role does at start
+hide(*hidden_by_launcher())  # and what `relax run` asks of it: no sandbox sees the run dir
 scratch, sandbox = sys.argv[1], json.loads(sys.argv[2])
 sys.path.append(os.path.join(scratch, "modules"))
 listener = socket.socket()
@@ -381,7 +384,15 @@ def reachable_interpreter() -> None:
         raise OSError(ctypes.get_errno(), "cannot show the interpreter to nobody")
 
 
-def attack(scratch: Path, *, nobody: bool, refuse_unshare_: bool, sandbox: object = None) -> dict:
+def attack(
+    scratch: Path,
+    *,
+    nobody: bool,
+    refuse_unshare_: bool,
+    sandbox: object = None,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> dict:
     """Run WORKER (a reward worker holding RELAX_PASSWORD) as root or as nobody, with unshare(2) refused by
     a seccomp filter or not; its JSON line.
 
@@ -397,11 +408,11 @@ def attack(scratch: Path, *, nobody: bool, refuse_unshare_: bool, sandbox: objec
         if refuse_unshare_:
             refuse_unshare()
 
-    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "RELAX_PASSWORD": "s3cret", "HOME": str(scratch)}
+    base = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "RELAX_PASSWORD": "s3cret", "HOME": str(scratch)}
     done = subprocess.run(
         [sys.executable, "-c", WORKER, str(scratch), json.dumps(sandbox or {})],
-        cwd=scratch / "work",
-        env=env,
+        cwd=cwd or scratch / "work",
+        env={**base, **(env or {})},
         preexec_fn=confine_worker,
         capture_output=True,
         text=True,
@@ -423,6 +434,15 @@ def test_with_namespaces_the_attack_reaches_nothing(scratch, nobody):
     assert found["info"]["view_refused"] is None and {"pid", "net"} <= set(found["info"]["namespaces"]), found
     assert (scratch / "modules" / "victim.py").read_text() == "PLANTED = False\n"
     assert not (scratch / "work" / "planted.txt").exists()
+
+
+def test_a_run_dir_under_the_working_directory_is_masked_as_relax_run_asks(scratch):
+    """`relax run`'s default run dir (runs/<run>, with every user's credentials in auth/) lies under the roles'
+    working directory, which the sandbox's view shows read-only; the launcher names it in RELAX_SANDBOX_HIDES
+    and every sandbox masks it."""
+    found = attack(scratch, nobody=True, refuse_unshare_=False, cwd=scratch, env={SANDBOX_HIDES: str(scratch / "auth")})
+    assert "components" in found, found
+    assert found["components"]["escape.credentials_file"] == 0.0, found
 
 
 @pytest.mark.parametrize("nobody", [False, True], ids=["root", "nobody"])

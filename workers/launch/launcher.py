@@ -40,6 +40,7 @@ from workers.launch.embedded import RunServer, read_env_file, settings_from_env
 from workers.launch.processes import RunProcesses, follow_events
 from workers.launch.progress import Progress
 from workers.preflight import preflight
+from workers.roles.serve import SANDBOX_HIDES
 from workers.weights import SharedMemoryTransport
 
 DRAIN_S = 10.0
@@ -83,6 +84,9 @@ async def launch(
             outages.append(_outage_line(since))
 
     nc = await connect(settings, name="relax-run", on_outage=on_outage)
+    # The run dir holds every user's credentials (auth/) and the server's store (nats/): no sandbox sees it.
+    hidden = {SANDBOX_HIDES: str(run_dir.resolve())}
+    role_env = {r.name: {**role_env.get(r.name, {}), **hidden} for r in config.chain}
     processes = RunProcesses(config, url, run_dir / "work", run_dir / "logs", role_env)
     try:
         # Retried while the server does not answer in time (a loaded machine), as the roles' start-up reads are.

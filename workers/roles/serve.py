@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import importlib
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -35,6 +36,9 @@ from workers.rewards.sandbox.process import hide
 from workers.role_registry import role_def
 
 log = get_logger(__name__)
+
+SANDBOX_HIDES = "RELAX_SANDBOX_HIDES"
+"""Paths (os.pathsep-separated) the launcher asks every reward sandbox of the role to mask."""
 
 
 @dataclass
@@ -60,7 +64,7 @@ class RoleContext:
 async def run_role(role: str, settings: ConnectionSettings, run: str, work_dir: Path, threads: int = 1) -> int:
     """Connect (retrying for `settings.connect_retry_s`), run the role until done or stopped; return an exit code."""
     make_undumpable()
-    hide(work_dir, *(path.parent for path in _login_files(settings)))
+    hide(work_dir, *(path.parent for path in _login_files(settings)), *hidden_by_launcher())
     entry = role_def(role)
     if entry.torch_threads:
         import torch
@@ -102,6 +106,11 @@ async def run_role(role: str, settings: ConnectionSettings, run: str, work_dir: 
 
 
 _PR_SET_DUMPABLE = 4
+
+
+def hidden_by_launcher() -> list[str]:
+    """What the launcher asks every sandbox to mask besides (`SANDBOX_HIDES`: `relax run`'s run dir)."""
+    return [p for p in os.environ.get(SANDBOX_HIDES, "").split(os.pathsep) if p]
 
 
 def make_undumpable() -> None:
