@@ -200,8 +200,28 @@ ROLES: tuple[RoleDef, ...] = (
         grants=dict(state_keys=(GROUPS_FILTERED,)),  # dynamic sampling's filtered set
         module="workers.roles.reward",
         deploy=RoleDeploy(
-            compose_extra="deploy:\n  mode: replicated\n  replicas: 2",
-            k8s_about="Scores rollouts (durable consumer `reward` of RELAX_<run>_ROLLOUTS). Stateless; KEDA scales it.",
+            compose_extra=(
+                "deploy:\n  mode: replicated\n  replicas: 2\n"
+                "# Code-executing rewards run in the reward sandbox's own namespaces (docs/sandbox.md): the engine's\n"
+                "# default seccomp profile plus unshare, mount, umount2 and pivot_root, and no AppArmor profile (the\n"
+                "# engines' default one denies mount). Without them such rewards are refused at start.\n"
+                "security_opt:\n"
+                "  - seccomp=./deploy/seccomp/reward-sandbox.json\n"
+                "  - apparmor=unconfined\n"
+                "  - no-new-privileges:true"
+            ),
+            k8s_about=(
+                "Scores rollouts (durable consumer `reward` of RELAX_<run>_ROLLOUTS). Stateless; KEDA scales it.\n"
+                "Its seccomp profile is RuntimeDefault plus what the reward sandbox needs: deploy/seccomp/\n"
+                "reward-sandbox.json must be on every node that runs it, as <kubelet root>/seccomp/relax/\n"
+                "reward-sandbox.json (docs/sandbox.md); without it the pod does not start."
+            ),
+            k8s_container=(
+                "securityContext:\n"
+                "  seccompProfile:                 # code-executing rewards need their sandbox's namespaces\n"
+                "    type: Localhost\n"
+                "    localhostProfile: relax/reward-sandbox.json"
+            ),
         ),
         torch_threads=False,
         scalable="Reward (scoring) processes; they share the durable of the rollouts hop.",

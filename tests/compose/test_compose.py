@@ -112,9 +112,10 @@ def test_compose_files_validate(files: list[Path]) -> None:
     args = [tool, "--project-directory", str(ROOT)]
     for f in files:
         args += ["-f", str(f)]
-    result = subprocess.run([*args, "config"], capture_output=True, text=True, timeout=60)
+    # cwd: docker-compose 1.29 reads the reward service's seccomp profile relative to it (Compose v2: to the project)
+    result = subprocess.run([*args, "config"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    services = subprocess.run([*args, "config", "--services"], capture_output=True, text=True, timeout=60)
+    services = subprocess.run([*args, "config", "--services"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     names = set(services.stdout.split())
     assert {"nats", "init", "feeder", "rollout", "reward", "actor"} <= names, names
     config = yaml.safe_load(result.stdout)["services"]
