@@ -220,11 +220,6 @@ class BusConfig(BaseModel):
                     f"{name} ({bound}) is smaller than the largest message ({self.msg_bytes_limit}, max_msg_bytes): "
                     "such a message could never be stored"
                 )
-        if self.state_max_bytes < self.msg_bytes_limit:
-            problems.append(
-                f"state_max_bytes ({self.state_max_bytes}) is smaller than the largest message "
-                f"({self.msg_bytes_limit}, max_msg_bytes): the run config might not fit"
-            )
         if self.workers_max_bytes < 16 * self.heartbeat_max_bytes:
             problems.append(
                 f"workers_max_bytes ({self.workers_max_bytes}) must hold at least 16 heartbeats of heartbeat_max_bytes "

@@ -251,6 +251,7 @@ class StubBus(Bus[C], Generic[C]):
             publisher=cast(Any, publisher),
             media=cast(Any, StubBlobStore(topology.object_store("media"))),
             weights=cast(Any, StubBlobStore(topology.object_store("weights"))),
+            checkpoints=cast(Any, StubBlobStore(topology.object_store("checkpoints"))),
             state=cast(Any, state),
             workers=cast(Any, StubKeyValue(topology.bucket("workers"))),
             version=PolicyVersion(cast(Any, state)),

@@ -220,7 +220,13 @@ def build_topology(config: RunConfig) -> Topology:
     )
     buckets = (
         BucketSpec(
-            "state", state_bucket(run), None, 16, bus.state_max_bytes, bus.msg_bytes_limit, "bus.state_max_bytes"
+            "state",
+            state_bucket(run),
+            None,
+            16,
+            bus.state_max_bytes,
+            min(bus.msg_bytes_limit, bus.state_max_bytes),  # the largest value: the run config, a few KiB
+            "bus.state_max_bytes",
         ),
         BucketSpec(
             "workers",

@@ -36,10 +36,10 @@ UNBOUNDED_STORE_ALLOWANCE = 64 << 30
 `bus.weights_max_bytes` null: the trainer's retention bounds it, ~14 GB for a 135M-parameter model at the
 defaults): a finite ceiling, so that the trainer's credentials cannot fill the server's disk either."""
 DEFAULT_MAX_STREAMS = 32
-"""Streams of the run's account; a run declares 10 (6 streams, 2 KV buckets, 2 object stores)."""
+"""Streams of the run's account; a run declares 11 (6 streams, 2 KV buckets, 3 object stores)."""
 DEFAULT_MAX_CONSUMERS = 1024
-"""Consumers of the run's account: its durables plus the ephemeral ones of KV watches and object reads; each
-stream, bucket and store accepts `bus.max_consumers` (64) of them, so no one of them can take them all."""
+"""Consumers of the run's account: its durables, and whatever the admin creates (no role user may create one);
+each stream, bucket and store accepts `bus.max_consumers` (64) of them, so no one of them can take them all."""
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(I?B)?\s*$", re.IGNORECASE)
 
 

@@ -76,7 +76,7 @@ async def test_delete_run_removes_only_that_runs_objects(settings):
         await provision(js, gone)
         deleted = await delete_run(js, gone)
         streams = {s.config.name for s in await js.streams_info()}
-        assert len(deleted) == 6 + 2 + 2, deleted
+        assert len(deleted) == 6 + 2 + 3, deleted
         assert not any(gone.run in name for name in streams), streams
         assert sum(name.startswith(f"RELAX_{kept.run}_") for name in streams) == 6
         assert f"KV_relax_{kept.run}_state" in streams and f"OBJ_relax_{kept.run}_weights" in streams

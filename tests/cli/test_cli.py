@@ -59,9 +59,9 @@ def test_init_then_inspect_json(nats_server, tmp_path):
     first = relax("init", cfg, "--nats-url", nats_server.url, "--json")
     assert first.returncode == 0, first.stderr
     report = json.loads(first.stdout)
-    assert report["run"] == "clitest" and len(report["created"]) == 14
+    assert report["run"] == "clitest" and len(report["created"]) == 15
     again = relax("init", cfg, "--nats-url", nats_server.url)
-    assert again.returncode == 0 and "0 created, 0 updated, 14 unchanged" in again.stdout
+    assert again.returncode == 0 and "0 created, 0 updated, 15 unchanged" in again.stdout
 
     out = relax("inspect", "clitest", "--nats-url", nats_server.url, "--json")
     assert out.returncode == 0, out.stderr
@@ -268,7 +268,7 @@ def test_config_show_prints_defaults_and_the_chain(tmp_path):
         "eps": 1e-6,
         "whiten": False,
     }
-    assert data["bus"]["ack_wait_s"] == 60.0 and data["weights"] == {
+    assert data["bus"]["ack_wait_s"] == 10.0 and data["weights"] == {
         "type": "object_store",
         "delta": False,
         "wire_dtype": "float32",

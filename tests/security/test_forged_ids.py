@@ -221,7 +221,7 @@ def test_each_role_may_read_back_exactly_the_streams_it_publishes_to():
         "rollout": kv_and_stores | weights | {"RELAX_r1_PROMPTS"},
         "reward": kv_and_stores | {"RELAX_r1_ROLLOUTS"},
         "reference": kv_and_stores | weights | {"RELAX_r1_SCORED"},
-        "actor": kv_and_stores | weights,
+        "actor": kv_and_stores | weights | {"OBJ_relax_r1_checkpoints"},  # its own store, read by nobody else
     }
     writes = {"feeder": "PROMPTS", "rollout": "ROLLOUTS", "reward": "SCORED", "reference": "TRAIN", "actor": "PROMPTS"}
     for role, before in reads.items():

@@ -73,13 +73,17 @@ def test_every_stream_and_store_is_bounded():
     assert (t.stream("dlq").discard, t.stream("events").discard) == ("old", "old")
     assert t.stream("dlq").max_bytes == bus.dlq_max_bytes and t.stream("events").max_bytes == bus.events_max_bytes
     stores = {o.key: o for o in t.object_stores}
-    assert set(stores) == {"weights", "media"} and stores["media"].max_bytes == bus.media_max_bytes > 0
+    assert set(stores) == {"weights", "checkpoints", "media"} and stores["media"].max_bytes == bus.media_max_bytes > 0
     assert stores["media"].max_age_s == bus.media_max_age_s >= bus.train_max_age_s
-    assert stores["weights"].max_age_s == 0  # versions and checkpoints leave by the trainer's retention only
-    # The weights store is the trainer's alone and bounded by its retention: unbounded unless set.
-    assert bus.weights_max_bytes is None and stores["weights"].max_bytes == -1
-    bounded = build_topology(run_config(bus={"weights_max_bytes": 64 * MiB}))
-    assert {o.key: o.max_bytes for o in bounded.object_stores}["weights"] == 64 * MiB
+    for key in ("weights", "checkpoints"):  # the trainer's alone, bounded by its retention: unbounded unless set
+        assert stores[key].max_age_s == 0 and stores[key].max_bytes == -1
+    assert bus.weights_max_bytes is None and bus.checkpoints_max_bytes is None
+    bounded = build_topology(run_config(bus={"weights_max_bytes": 64 * MiB, "checkpoints_max_bytes": 128 * MiB}))
+    assert {o.key: o.max_bytes for o in bounded.object_stores} | {"media": 0} == {
+        "weights": 64 * MiB,
+        "checkpoints": 128 * MiB,
+        "media": 0,
+    }
     buckets = {b.key: b for b in t.buckets}
     assert (buckets["state"].max_bytes, buckets["state"].max_value_size) == (bus.state_max_bytes, bus.msg_bytes_limit)
     assert (buckets["workers"].max_bytes, buckets["workers"].max_value_size) == (

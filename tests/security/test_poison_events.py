@@ -137,7 +137,7 @@ async def test_the_progress_display_of_relax_run_takes_any_event(secured: Secure
     config = s.config.model_copy(update={"metrics": s.config.metrics.model_copy(update={"enabled": False})})
     processes = RunProcesses(config, s.server.url, tmp_path / "work", tmp_path / "logs")
     processes.get("actor").finished = True  # the run has ended: the loop leaves once both steps are in
-    watch = launcher.Watch(processes, None, [], asyncio.Event(), asyncio.Event())
+    watch = launcher.Watch(processes, None, [], asyncio.Event(), admin)
     out = io.StringIO()
     summary = await asyncio.wait_for(launcher._follow(admin, config, watch, tmp_path, out), 60)
 

@@ -46,8 +46,9 @@ from workers.config.model_source import (
     TinyOmniSource,
     TinySource,
 )
+from workers.data.byte_text import BYTE_SOURCES
 from workers.data.model_build import SOURCE_FILE, TINY_POSITIONS, build_in_code
-from workers.data.tokenizer import BYTE_SOURCES, SPECIAL_IDS, build_byte_tokenizer
+from workers.data.tokenizer import SPECIAL_IDS, build_byte_tokenizer
 
 KNOWN_SOURCES = (
     "'tiny', 'tiny:<hidden>x<layers>' (e.g. 'tiny:128x2'), 'tiny-moe', 'tiny-omni', 'hf:<repo id>', "

@@ -49,7 +49,3 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
         model_max_length=1 << 30,
         split_special_tokens=True,
     )
-
-
-BYTE_SOURCES = ("tiny", "tiny-moe")
-"""The `model.source` types built in code over this tokenizer (their tokenizer needs no model directory)."""

@@ -1,7 +1,7 @@
 """Where the actor's checkpoints live: the KV record that names the newest complete one, and storing a new one
 (data first, record after, older ones pruned), so a crash mid-save leaves the previous record.
 
-A checkpoint is either one object in the weights store (`ckpt-<step>`, the whole state gathered on rank 0)
+A checkpoint is either one object in the checkpoints store (`ckpt-<step>`, the whole state gathered on rank 0)
 or, with `trainer.checkpoint.dir`, a directory `<checkpoint_dir>/<run>/ckpt-<step>` of every rank's shards
 (`workers.checkpoints.sharded`); the record says which (`object` or `dir`)."""
 
@@ -35,7 +35,8 @@ async def checkpoint_record(bus: Bus) -> dict[str, Any] | None:
 
 
 async def kept_checkpoints(bus: Bus) -> dict[int, dict[str, str]]:
-    """Every checkpoint the run keeps, by step: `{"object": name}` in the weights store, `{"dir": path}` of shards."""
+    """Every checkpoint the run keeps, by step: `{"object": name}` in the checkpoints store, `{"dir": path}` of
+    shards."""
     kept = {step: {"object": n} for n in await bus.checkpoints.names() if (step := checkpoint_step(n)) is not None}
     record = await checkpoint_record(bus)
     if record is not None and "dir" in record:
@@ -136,7 +137,7 @@ class ActorCheckpoints:
             await task
 
     async def restore(self, record: dict[str, Any]) -> dict[str, Any]:
-        """Load the recorded checkpoint (a directory of shards, or one object of the weights store); its extra."""
+        """Load the recorded checkpoint (a directory of shards, or one object of the checkpoints store); its extra."""
         if "dir" in record:
             return await asyncio.to_thread(self.checkpoints.restore_sharded, record["dir"])
         data = await through_outage(lambda: self.bus.checkpoints.get(record["object"]), "read checkpoint")

@@ -28,8 +28,8 @@ from relax_bus.log import get_logger
 from relax_bus.worker import Delivery, Worker, WorkerOptions
 from schemas import PromptGroup, RewardDetail, RolloutGroup, RunEvent, Sample, ScoredGroup, TrainGroup
 from workers.config import PipelineConfig, task_seed, task_spec
+from workers.data.byte_text import BYTE_SOURCES, ByteDecoder
 from workers.data.tasks import TaskItem, load_task
-from workers.data.tokenizer import BYTE_SOURCES, build_byte_tokenizer
 from workers.omni.media_refs import by_reference
 from workers.rewards.scorer import Scorer, default_rewards
 from workers.roles.feeder import released_item
@@ -50,9 +50,10 @@ def make_scorer_from(cfg: PipelineConfig) -> Scorer:
 
 
 def run_tokenizer(cfg: PipelineConfig, cache_dir: Path | None = None) -> Any:
-    """The run's tokenizer, as the rollout decodes with it: without torch for the models built on bytes."""
+    """The run's tokenizer, as the rollout decodes with it: for the models built on bytes, their decoding alone
+    (no tokenizer library loaded in the reward role)."""
     if cfg.model.source.type in BYTE_SOURCES:
-        return build_byte_tokenizer()
+        return ByteDecoder()
     from workers.data.models import source_tokenizer  # torch and transformers: a real model's tokenizer
 
     return source_tokenizer(cfg.model.source, cache_dir, cfg.model.seed)
