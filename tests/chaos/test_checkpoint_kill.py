@@ -4,9 +4,8 @@ Checkpoints are saved in the background while the next steps train, and the KV r
 once it is whole. Into the object store: killed mid-upload, the actor leaves chunks that no object names
 and a record that still names the previous checkpoint: the restarted actor clears those chunks, resumes
 from that previous checkpoint, and the run still trains every group exactly once. The kill is timed by the
-bus itself: the test subscribes to the weights store's chunk subjects and SIGKILLs the actor on the first
-chunk of an upload (weights travel through the filesystem here, so every upload into the store is a
-checkpoint), with a checkpoint of ~75 MB in flight.
+bus itself: the test subscribes to the checkpoints store's chunk subjects and SIGKILLs the actor on the first
+chunk of an upload, with a checkpoint of ~75 MB in flight.
 
 Sharded (`trainer.checkpoint.dir`): the actor is killed as soon as a later step's directory has anything in
 it; the restart removes that directory, which no record names, and resumes from the previous one.
@@ -46,7 +45,7 @@ async def test_sigkill_mid_checkpoint_resumes_from_the_previous_complete_one(nat
     try:
         bus = cluster.bus
         assert bus is not None
-        store = bus.weights
+        store = bus.checkpoints
         await until(lambda: _record(cluster), lambda r: r is not None, 240, "the step-0 checkpoint's record")
         cut: list[str] = []
 
@@ -57,7 +56,7 @@ async def test_sigkill_mid_checkpoint_resumes_from_the_previous_complete_one(nat
 
         chunks = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=store.bucket, obj="*")
         sub = await bus.nc.subscribe(chunks, cb=on_chunk, pending_bytes_limit=1 << 30)
-        await until(lambda: list(cut), bool, 240, "an upload into the weights store after the first checkpoint")
+        await until(lambda: list(cut), bool, 240, "an upload into the checkpoints store after the first checkpoint")
         await sub.unsubscribe()
         record = await _record(cluster)
         assert record is not None

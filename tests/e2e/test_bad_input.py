@@ -26,7 +26,6 @@ from schemas import (
     Message,
     PromptGroup,
     RolloutGroup,
-    Sample,
     TextPart,
     TrainGroup,
     encode,
@@ -85,9 +84,7 @@ def with_image(run: str, i: int, image: ImagePart) -> PromptGroup:
 def with_texts(run: str, i: int, texts: tuple[str, ...], prompt: PromptGroup | None = None) -> RolloutGroup:
     """A rollout group whose samples say `texts` (the prompt's answer is str(i + 1))."""
     base = f.rollout(prompt or f.prompt(run, i, n=len(texts)))
-    sample = base.samples[0]
-    samples = tuple(Sample(token_ids=sample.token_ids, logprobs=sample.logprobs, text=t) for t in texts)
-    return base.model_copy(update={"samples": samples})
+    return base.model_copy(update={"samples": tuple(f.said(t) for t in texts)})
 
 
 async def dead_letters(bus: Bus) -> dict[int, DeadLetter]:
