@@ -162,6 +162,14 @@ def test_different_failures_of_one_role_are_no_crash_loop_of_one_error(procs):
         procs.supervise(notes.append, now=float(k) + 0.5)
         procs.supervise(notes.append, now=float(k) + 0.5 + 10.0)
     assert reward.restarts == 7 and len(reward.failures) == 7
+    # Errors that never repeat (an id in each, say) still end the run at twice the limit.
+    with pytest.raises(RunFailed, match="11th failure of its own"):
+        for k, error in enumerate(["F", "G", "H", "I"], start=7):
+            reward.log_path.write_text(f"relax: error: {error}\n")
+            _crash(reward, float(k))
+            reward.proc = _Exited(1)  # type: ignore[assignment]
+            procs.supervise(notes.append, now=float(k) + 0.5)
+            procs.supervise(notes.append, now=float(k) + 0.5 + 10.0)
 
 
 def test_warm_up_progress_forgives_earlier_failures(procs):

@@ -8,8 +8,8 @@ them for their stacks (SIGUSR1); and supervises them: a role that exits 0 by its
 exits 2 (`relax_bus.errors.EXIT_REFUSED`: its config cannot work, a restart would fail the same way) ends the
 run at once with its error (`RoleRefused`), one that fails otherwise is restarted with backoff (reset once it
 has stayed up for `STABLE_S`), and the run fails only when one role fails by itself more than `MAX_RESTARTS`
-times with the same exit code and error within `RESTART_WINDOW_S` with no progress of the run in between (a
-crash loop, as systemd's restart limit and Kubernetes' back-off see it; a role that keeps failing while the run
+times with the same exit code and error (or twice as often with any errors) within `RESTART_WINDOW_S` with no
+progress of the run in between (a crash loop, as systemd's restart limit and Kubernetes' back-off see it; a role that keeps failing while the run
 trains or warms up is recovering each time). A role stopped from outside (killed by SIGKILL or SIGTERM, which
 it never sends itself) is restarted with the same backoff and never counts towards a crash loop; once the run
 has ended, nothing is restarted or counted.
@@ -292,9 +292,10 @@ class RunProcesses:
         recent = [(t, f) for t, f in role.failures if now - t < RESTART_WINDOW_S and t > self.progress_at]
         role.failures = [*recent, (now, failure)]
         same = sum(1 for _, f in role.failures if f == failure)
-        if same > MAX_RESTARTS:
+        if same > MAX_RESTARTS or len(role.failures) > 2 * MAX_RESTARTS:  # the same error, or any errors at all
+            what = "with the same error" if same > MAX_RESTARTS else "of its own"
             raise RunFailed(
-                f"{role.label} exited with {code}, its {same}th failure with the same error within "
+                f"{role.label} exited with {code}, its {max(same, len(role.failures))}th failure {what} within "
                 f"{RESTART_WINDOW_S:g}s without the run making progress ({role.restarts} restarts in all); "
                 f"its log ({role.log_path}) ends with:\n{role.log_tail()}"
             )
