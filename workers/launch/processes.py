@@ -9,10 +9,10 @@ exits 2 (`relax_bus.errors.EXIT_REFUSED`: its config cannot work, a restart woul
 run at once with its error (`RoleRefused`), one that fails otherwise is restarted with backoff (reset once it
 has stayed up for `STABLE_S`), and the run fails only when one role fails by itself more than `MAX_RESTARTS`
 times with the same exit code and error (or twice as often with any errors) within `RESTART_WINDOW_S` with no
-progress of the run in between (a crash loop, as systemd's restart limit and Kubernetes' back-off see it; a role that keeps failing while the run
-trains or warms up is recovering each time). A role stopped from outside (killed by SIGKILL or SIGTERM, which
-it never sends itself) is restarted with the same backoff and never counts towards a crash loop; once the run
-has ended, nothing is restarted or counted.
+progress of the run in between (a crash loop, as systemd's restart limit and Kubernetes' back-off see it; a
+role that keeps failing while the run trains or warms up is recovering each time). A role stopped from outside
+(killed by SIGKILL or SIGTERM, which it never sends itself) is restarted with the same backoff and never counts
+towards a crash loop; once the run has ended, nothing is restarted or counted.
 `follow_events` yields the run's events.
 """
 
