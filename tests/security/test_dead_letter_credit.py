@@ -18,6 +18,16 @@ from workers.roles.dead_credit import DeadLetterCredit, dead_credit
 from workers.roles.feeder import feed
 from workers.state_keys import FEEDER_CURSOR, TRAINER_DONE
 
+
+def counted(n: int):
+    """A `settled` reader that finds `n` groups settled."""
+
+    async def settled() -> int:
+        return n
+
+    return settled
+
+
 pytestmark = pytest.mark.bus
 
 
@@ -59,8 +69,8 @@ async def test_only_groups_the_feeder_released_earn_credit(bus):
         assert credit.letters(3, released_id, never_filtered) == 0, "index 3 is not released yet at a cursor of 3"
         assert credit.letters(1000, released_id, never_filtered) == 2, "once released, 999 is one of the feeder's"
         assert credit.letters(1000, released_id, lambda i: i == 3) == 1, "a filtered group has its own credit"
-        assert await credit.credit(10, released_id, never_filtered, settled=9) == 1  # nothing is on the bus
-        assert await credit.credit(10, released_id, never_filtered, settled=10) == 0
+        assert await credit.credit(10, released_id, never_filtered, settled=counted(9)) == 1  # nothing on the bus
+        assert await credit.credit(10, released_id, never_filtered, settled=counted(10)) == 0
     finally:
         await credit.stop()
 

@@ -262,13 +262,15 @@ class Actor:
         if self.checkpoints.save_s is not None and self.checkpoints.path_s is not None:
             metrics = {**metrics, "checkpoint_path_s": self.checkpoints.path_s, "checkpoint_s": self.checkpoints.save_s}
         self._step = (metrics, lags, snapshot_s + time.perf_counter() - sync_started)
+        # The step's count goes up before its groups leave the train stream (the acks follow `handle`): whoever
+        # counts groups on the bus and then groups trained (the feeder's dead-letter credit) never misses these.
+        await self._put(STEP_KEY, str(self.state.step + 1))
 
     async def settled(self, batch: Sequence[Held[TrainGroup]]) -> None:
         """After the step's acks: record it, checkpoint on schedule, stop after the last step."""
         assert self._step is not None
         metrics, lags, weight_sync_s = self._step
         self.state.step += 1
-        await self._put(STEP_KEY, str(self.state.step))
         await self._record_step(batch, metrics, lags, weight_sync_s)
         if self.state.step % self.cfg.trainer.checkpoint.every == 0 or self.state.step == self.cfg.trainer.steps:
             await self._checkpoint()

@@ -27,7 +27,7 @@ yet recorded) can make the bound one batch too high or too low for a moment, nev
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import nats.js.errors
 
@@ -60,14 +60,22 @@ class DeadLetterCredit:
         return len({i for i, g in self.seen if i < released and g == group_id_of(i) and not filtered(i)})
 
     async def credit(
-        self, released: int, group_id_of: Callable[[int], str], filtered: Callable[[int], bool], settled: int
+        self,
+        released: int,
+        group_id_of: Callable[[int], str],
+        filtered: Callable[[int], bool],
+        settled: Callable[[], Awaitable[int]],
     ) -> int:
-        """Groups to replace for their dead letters: `dead_credit` of the letters, with `settled` the groups
-        trained, dropped as stale or filtered so far. Asks the server only while some letter counts."""
+        """Groups to replace for their dead letters: `dead_credit` of the letters, with `settled()` the groups
+        trained, dropped as stale or filtered so far. Asks the server only while some letter counts.
+
+        The bus is counted first, then what is settled: a group is counted as settled (the actor's step count,
+        its drop count) before it leaves the bus, so in this order it is counted once or twice, never missed."""
         letters = self.letters(released, group_id_of, filtered)
         if letters == 0:
             return 0
-        return dead_credit(letters, released, settled, await self.on_bus())
+        held = await self.on_bus()
+        return dead_credit(letters, released, await settled(), held)
 
     async def on_bus(self) -> int:
         """Groups the bus still holds: messages under each hop's own subject, and the train stream's messages

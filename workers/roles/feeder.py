@@ -158,7 +158,12 @@ class Feeder:
         dropped = stale  # each of these will never train: it is replaced
         if cfg.sampling.drop_uniform:
             dropped += await self._filtered_credit(target)
-        settled = steps * cfg.groups_per_step + dropped
+        filtered = dropped - stale
+
+        async def settled() -> int:  # read again after the dead-letter credit has counted the bus
+            _, _, stale_now, steps_now = await _snapshot(self.bus)
+            return max(steps_now, steps) * cfg.groups_per_step + max(stale_now, stale) + filtered
+
         dropped += await self.dead.credit(self.released, self._group_id, self._was_filtered, settled)
         need = target + dropped - self.released
         if need <= 0 and not self.covered:
