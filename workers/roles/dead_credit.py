@@ -20,8 +20,11 @@ subject (pending or being worked on: a work queue keeps a message until it is ac
 not acked on the train stream. A real dead letter's group is off the bus (the stage terminated its message) and
 never trains, so it is credited; a forged letter's group is on the bus, or trains later, so it is not, or no
 longer (the credit is recomputed on every poll, and a replacement already released only makes the feeder wait).
-A group between two counts (published downstream, its input not yet acked; acked by the actor, its step not
-yet recorded) can make the bound one batch too high or too low for a moment, never more.
+A group is counted as settled before it leaves the bus (the actor records its step before the acks, its drops
+before settling them), and the bus is read before what is settled: a group between two counts is counted twice
+for a moment (the bound is one batch too low, and a real letter's credit waits for the next poll), never missed.
+Filtered groups are read once, before the bus: with `sampling.drop_uniform`, a group filtered between the two
+reads can still make the bound one group too high for a moment.
 """
 
 from __future__ import annotations
