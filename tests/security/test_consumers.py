@@ -64,7 +64,6 @@ async def test_a_rollout_cannot_reset_a_durable_by_delivering_to_the_reset_api(s
     await nc.jetstream(timeout=2).publish(f"$O.{t.object_store('media')}.C.reset", json.dumps({"seq": 100}).encode())
     prompts, durable = t.stream("prompts").name, t.consumer("prompts").durable
     await refused_consumer(s, "rollout", nc, media, f"$JS.API.CONSUMER.RESET.{prompts}.{durable}")
-    await asyncio.sleep(0.5)
     assert await pending(s, admin, "prompts") == 5, "every prompt is still there to be generated"
     assert (await admin.js.stream_info(media)).state.consumer_count == 0
 
@@ -98,7 +97,6 @@ async def test_the_observer_cannot_loop_streams_into_each_other(secured):
     await refused_consumer(s, "observer", nc, f"KV_{t.bucket('state')}", events.subject)
     await refused_consumer(s, "observer", nc, events.name, dlq.subject)
     await refused_consumer(s, "observer", nc, dlq.name, events.subject)
-    await asyncio.sleep(0.5)
     for stream in (events.name, dlq.name):
         assert (await admin.js.stream_info(stream)).state.messages == 0
 
@@ -120,6 +118,14 @@ async def test_the_reaper_refuses_an_advisory_that_names_another_durable_or_too_
         return f.rollout(prompt)
 
     worker = Worker(bus, "rollout", hold, PromptGroup, WorkerOptions(fetch_timeout_s=0.2, concurrency=1))
+    judged: list[object] = []
+    reap = worker._reap
+
+    async def counted_reap(advisory) -> None:  # the reaper's own decision, then a count to wait for
+        await reap(advisory)
+        judged.append(advisory)
+
+    worker._reap = counted_reap  # type: ignore[method-assign]
     running = asyncio.create_task(worker.run())
     await asyncio.wait_for(started.wait(), 10)
     forged = [
@@ -130,7 +136,7 @@ async def test_the_reaper_refuses_an_advisory_that_names_another_durable_or_too_
     for advisory in forged:
         await bus.nc.publish(subject, json.dumps(advisory).encode())
     await bus.nc.flush()
-    await asyncio.sleep(1.0)
+    await until(lambda: len(judged), lambda k: k == len(forged), 10, "every forged advisory judged")
     assert (await bus.js.stream_info(prompts)).state.messages == 2, "no prompt was deleted"
     release.set()
     worker.stop()

@@ -22,6 +22,8 @@ import platform
 import re
 import sys
 
+from workers.rewards.sandbox.confine import _check, _libc
+
 CLONE_NEWNS = 0x00020000
 _MS_RDONLY = 1
 _MS_NOSUID = 2
@@ -49,16 +51,6 @@ _PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 _OCTAL = re.compile(r"\\([0-7]{3})")
 DEVICES = ("null", "zero", "full", "random", "urandom")
-
-
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"{what}: {os.strerror(errno)}")
 
 
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
