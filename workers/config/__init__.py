@@ -24,6 +24,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from relax_bus.chain import LIMITS_STREAMS
 from relax_bus.overrides import load_with_overrides
 from relax_bus.settings import RunConfig, parse_run_config
+from workers.config.agent import AgentConfig, EnvSpec
 from workers.config.base import Section
 from workers.config.metrics import MetricsConfig, WandbConfig
 from workers.config.model_source import (
@@ -77,6 +78,8 @@ from workers.role_registry import ROLE_NAMES, ROLES, SCALABLE_ROLES, chain_of
 
 __all__ = [
     "AdditionOptions",
+    "AgentConfig",
+    "EnvSpec",
     "AdditionTask",
     "AdvantageConfig",
     "AnyReward",
@@ -229,6 +232,8 @@ class PipelineConfig(RunConfig):
     """The metrics role and its sinks (JSON Lines, TensorBoard, Prometheus, Weights & Biases)."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Dynamic sampling: drop groups whose rewards are all equal, replaced by the feeder within a bound."""
+    agent: AgentConfig | None = None
+    """Multi-turn episodes with an environment on the bus (docs/agentic.md); null: one response per prompt."""
 
     @property
     def reference(self) -> bool:
