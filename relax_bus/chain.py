@@ -43,6 +43,8 @@ class Grants(BaseModel):
     """Rewinds its own durable after a restart (`js.reset_consumer`)."""
     reads_dead_letters: bool = False
     """Follows the dlq stream (the feeder replaces dead-lettered groups)."""
+    records_episodes: bool = False
+    """Writes, reads and deletes the records of multi-turn episodes in the episodes bucket (the rollout role)."""
     observes: bool = False
     """Reads the info of every stream and consumer of the run (queue depths for dashboards), as the observer."""
 

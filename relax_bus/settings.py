@@ -191,6 +191,12 @@ class BusConfig(BaseModel):
     """Byte bound of the workers (heartbeat) bucket; a full bucket refuses new keys (JetStream reserves it)."""
     state_max_bytes: int = Field(default=64 << 20, ge=1 << 20)
     """Byte bound of the run's state bucket (config, versions, cursors, credits; JetStream reserves it)."""
+    episodes_max_bytes: int = Field(default=64 << 20, ge=1 << 20)
+    """Byte bound of the episodes bucket: the last completed turn of every multi-turn episode in flight (a rollout
+    worker that dies mid-episode leaves it to another from there; JetStream reserves it)."""
+    episodes_max_age_s: float = Field(default=3600.0, ge=60)
+    """An episode's record is dropped this long after its last turn (a finished episode's record is deleted at once;
+    this bounds what a dead worker leaves)."""
     max_consumers: int = Field(default=64, ge=4)
     """Consumers each stream, bucket and store of the run accepts; a further create is refused."""
 

@@ -237,6 +237,15 @@ def build_topology(config: RunConfig) -> Topology:
             bus.heartbeat_max_bytes,
             "bus.workers_max_bytes",
         ),
+        BucketSpec(
+            "episodes",
+            f"relax_{run}_episodes",
+            bus.episodes_max_age_s,
+            1,
+            bus.episodes_max_bytes,
+            min(bus.msg_bytes_limit, bus.episodes_max_bytes),
+            "bus.episodes_max_bytes",
+        ),
     )
     stores = (
         ObjectStoreSpec("weights", f"relax_{run}_weights", _bound(bus.weights_max_bytes), 0.0, "bus.weights_max_bytes"),

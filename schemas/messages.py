@@ -21,7 +21,8 @@ from schemas.bounded import MAX_FIELDS, Count, FieldValue, Name, Value, check_co
 from schemas.parts import Part
 from schemas.tensor import WireTensor
 
-SCHEMA_VERSION = "1.3"  # 1.1: PromptGroup.history; 1.2: Sample.routed_experts; 1.3: Sample.version_spans
+SCHEMA_VERSION = "1.4"  # 1.1: PromptGroup.history; 1.2: Sample.routed_experts; 1.3: Sample.version_spans;
+# 1.4: Sample.loss_mask and Sample.episode, ChatTurn role "tool"
 SCHEMA_MAJOR = 1
 
 _ID = r"^[A-Za-z0-9_.:-]{1,200}$"
@@ -64,7 +65,7 @@ class ChatTurn(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str
 
 
@@ -109,8 +110,46 @@ class PromptGroup(Message):
         return f"{self.run}/{self.group_id}/prompt/{self.attempt}"
 
 
+EpisodeEnd = Literal["answer", "env_done", "max_turns", "max_tokens", "env_error", "env_lost"]
+"""Why an episode ended: the policy answered (a turn without a tool call), the environment said done, a limit
+(`agent.max_turns`, `agent.max_tokens`: truncated), or the environment failed (an error it raised, or every
+instance that could serve it was lost)."""
+TRUNCATED: frozenset[str] = frozenset({"max_turns", "max_tokens"})
+
+
+class EpisodeInfo(BaseModel):
+    """How a multi-turn episode went (`Sample.episode`)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    turns: int = Field(ge=0)
+    """Policy turns generated."""
+    tool_calls: int = Field(default=0, ge=0)
+    """Turns that called the environment."""
+    invalid_calls: int = Field(default=0, ge=0)
+    """Calls the environment answered as invalid (`info.valid` false)."""
+    ended: EpisodeEnd
+    answer: str = ""
+    """The final answer: the text of the last policy turn when it called no tool, else empty."""
+    env_reward: float | None = Field(default=None, allow_inf_nan=False)
+    """Sum of the environment's step rewards; None when no step gave one."""
+    env_errors: int = Field(default=0, ge=0)
+    """Environment failures met (errors raised, instances lost)."""
+    replays: int = Field(default=0, ge=0)
+    """Times the episode was replayed on another environment instance."""
+    resumed_turns: int = Field(default=0, ge=0)
+    """Policy turns taken over from the record of another rollout worker (the episode resumed mid-way)."""
+    env_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    """Seconds spent waiting for the environment."""
+
+    @property
+    def truncated(self) -> bool:
+        """Whether a limit ended it."""
+        return self.ended in TRUNCATED
+
+
 class Sample(BaseModel):
-    """One sampled response of a group."""
+    """One sampled response of a group, or one episode of turns (policy tokens and observation tokens)."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
@@ -128,6 +167,12 @@ class Sample(BaseModel):
     routed_experts: WireTensor | None = None
     """Experts each token the model was fed went to (R3), uint8 or int16 `[prompt + tokens - 1, moe layers, top_k]`:
     the prompt's tokens, then the response's but its last (never fed back); None when routing is not recorded."""
+    loss_mask: WireTensor | None = None
+    """An episode's trained tokens, uint8 `[tokens]`: 1 on the policy's own tokens, 0 on observation tokens appended
+    by the rollout (never trained: out of the loss, the ratio, the KL and the entropy); None: every token is the
+    policy's. An observation token's log-prob entry is 0 and means nothing."""
+    episode: EpisodeInfo | None = None
+    """How the episode went; None for a one-turn response."""
 
     @model_validator(mode="after")
     def _aligned(self) -> Sample:
@@ -141,7 +186,20 @@ class Sample(BaseModel):
             covered = sum(n for _, n in self.version_spans)
             if covered != self.token_ids.numel:
                 raise ValueError(f"version_spans cover {covered} tokens of a {self.token_ids.numel}-token response")
+        if self.loss_mask is not None:
+            if self.loss_mask.dtype != "uint8" or self.loss_mask.shape != self.token_ids.shape:
+                raise ValueError(
+                    f"loss_mask must be uint8 {self.token_ids.shape}, got {self.loss_mask.dtype} {self.loss_mask.shape}"
+                )
+            if any(v not in (0, 1) for v in self.loss_mask.to_values()):
+                raise ValueError("loss_mask holds values other than 0 and 1")
         return self
+
+    def trained(self) -> list[int]:
+        """1 per token the trainer trains on, 0 per observation token (all 1 without a loss mask)."""
+        if self.loss_mask is None:
+            return [1] * self.token_ids.numel
+        return [int(v) for v in self.loss_mask.to_values()]
 
     @property
     def oldest_version(self) -> int | None:

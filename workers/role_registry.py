@@ -10,7 +10,7 @@ entries read of it.
 
     feeder     publish prompts; write feeder.cursor; watch policy.version; follow dead letters; read the run's
                stream and consumer state (what is still on the bus bounds the dead-letter credit)
-    rollout    pull prompts, publish rollouts; read weights, watch policy.version
+    rollout    pull prompts, publish rollouts; read weights, watch policy.version; record episodes' turns
     reward     pull rollouts, publish scored (train when the run has no reference role)
     reference  pull scored, publish train; read weights, watch policy.version
     actor      pull train, rewind its durable; publish prompts (requeues); write weights,
@@ -179,7 +179,7 @@ ROLES: tuple[RoleDef, ...] = (
         "rollout",
         input="prompts",
         output=lambda c: "rollouts",
-        grants=dict(reads_weights=True, watches_version=True),
+        grants=dict(reads_weights=True, watches_version=True, records_episodes=True),
         module="workers.roles.rollout",
         deploy=RoleDeploy(
             compose_extra="deploy:\n  mode: replicated\n  replicas: 2",

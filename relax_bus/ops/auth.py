@@ -103,6 +103,9 @@ def permissions(topology: Topology, role: str) -> Permissions:
         # stream's info: its subjects, to find the chunks of an upload a crash cut off (`clear_orphans`).
         for store in (weights, checkpoints):
             pub += [f"$O.{store}.>", f"{API}.STREAM.PURGE.OBJ_{store}", *_reads_store(store)]
+    if g.records_episodes:
+        episodes = t.bucket("episodes")
+        pub += [*_reads_kv(episodes), f"$KV.{episodes}.>"]
     if g.observes:
         pub += _infos(t)
     return Permissions(tuple(dict.fromkeys(pub)), tuple(dict.fromkeys(sub)))

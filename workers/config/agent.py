@@ -22,7 +22,7 @@ class AgentConfig(Section):
     """Multi-turn episodes: policy turns interleaved with an environment's observations (never trained)."""
 
     env: EnvSpec
-    """The episodes' environment, served by the `env` role's processes (`roles.env`, 1 by default)."""
+    """The episodes' environment, served by the `env` role's processes (`roles: {env: N}`, 1 by default)."""
     format: Literal["tags", "hermes"] = "tags"
     """How a policy turn calls a tool and how an observation is appended: `tags` is `<call>...</call>` then
     `<obs>...</obs>` in raw text (the tiny model); `hermes` is `<tool_call>{json}</tool_call>` with observations

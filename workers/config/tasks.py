@@ -143,6 +143,32 @@ class HfTask(Section):
     """Options of the hf task (`path` is required)."""
 
 
+class ArithmeticOptions(Section):
+    """Every `a op b` with operands of `digits` digits: a task where the calculator tool is necessary."""
+
+    digits: int = Field(default=2, ge=1, le=4)
+    """Digits of each operand (2: 10..99)."""
+    operations: str = Field(default="+*", pattern=r"^[+*]{1,2}$")
+    """Operations asked: `+`, `*` or both."""
+    tool: bool = True
+    """Give the warm-up demonstrations that call the calculator (`<call>37*45</call>`); false: plain answers (the
+    no-tool control)."""
+    seed: int | None = None
+    """Shuffle the problems with this seed (None: in order)."""
+    limit: int | None = Field(default=None, ge=1)
+    """Keep only the first `limit` problems."""
+    template: str = "{a}{op}{b}="
+    """The prompt; `{a}`, `{op}` and `{b}` stand for the operands and the operation."""
+
+
+class ArithmeticTask(Section):
+    """Two-digit addition and multiplication, worked with a calculator tool in agentic episodes (docs/agentic.md)."""
+
+    type: Literal["arithmetic"]
+    options: ArithmeticOptions = Field(default_factory=ArithmeticOptions)
+    """Options of the arithmetic task."""
+
+
 class OmniTask(Section):
     """Omni-modal questions with one-word answers, for a multimodal policy (`model.source: tiny-omni`)."""
 
@@ -151,7 +177,7 @@ class OmniTask(Section):
     """Options of the omni task."""
 
 
-AnyTask = AdditionTask | ReverseTask | JsonlTask | HfTask | OmniTask
+AnyTask = AdditionTask | ReverseTask | JsonlTask | HfTask | OmniTask | ArithmeticTask
 TaskConfig = Annotated[AnyTask, Field(discriminator="type")]
 
 

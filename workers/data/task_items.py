@@ -10,6 +10,11 @@ from schemas.parts import Part
 MAX_REPORTED_ERRORS = 20
 
 
+Demo = tuple[tuple[str, bool], ...]
+"""A demonstration for the supervised warm-up: text segments in order, each trained (True) or context (False: an
+environment's observation), then EOS."""
+
+
 @dataclass(frozen=True)
 class TaskItem:
     """One problem of a task: the prompt parts, the reference answer and where it comes from."""
@@ -22,6 +27,9 @@ class TaskItem:
     """Row of the dataset, 0-based, in the order returned."""
     history: tuple[ChatTurn, ...] = ()
     """Earlier turns of a conversation, before `parts` (the user's latest turn)."""
+    demos: tuple[Demo, ...] = ()
+    """Warm-up demonstrations of an agentic task: the first is clean, the others are what `label_noise` mixes in;
+    empty: the warm-up trains on `answer`."""
 
 
 def report_errors(where: str, unit: str, errors: list[tuple[int, str]]) -> str:

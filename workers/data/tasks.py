@@ -227,6 +227,7 @@ TASKS: dict[str, Callable[..., list[TaskItem]] | str] = {
     "jsonl": jsonl,
     "hf": hf,
     "omni": "workers.omni.tasks:omni_task",
+    "arithmetic": "workers.data.tool_tasks:arithmetic",
 }
 """Task loaders by `task.type`; a `module:function` one is imported when a run loads that task (`omni`: the media
 stack only for it)."""

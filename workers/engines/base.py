@@ -70,12 +70,15 @@ def log_generated(prompts: list[list[int]], n: int, tokens: int, started: float,
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """How to sample: temperature, nucleus top_p, a cap on new tokens, and an optional seed."""
+    """How to sample: temperature, nucleus top_p, a cap on new tokens, an optional seed, and stop strings."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 16
     seed: int | None = None
+    stop: tuple[str, ...] = ()
+    """A row also stops once its text contains one of these (the tokens that completed it are kept, and its
+    finish reason is `stop`): an agent's turn ends at its tool call's closing tag."""
 
     def __post_init__(self) -> None:
         """Reject settings no engine can honour."""
@@ -85,6 +88,8 @@ class SamplingSettings:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ attention mask) and prefilled once each; the cache and last logits are then repe
 step samples from the tempered distribution restricted to the nucleus `top_p`, but reports the
 sampled token's log-prob under the full tempered distribution `log_softmax(logits / temperature)`,
 which is what `workers.training.logprobs.token_logprobs` computes teacher-forced. A row stops at eos (kept in
-its tokens) or at `max_new_tokens`; finished rows ride along until every row is done.
+its tokens), at a stop string (`SamplingSettings.stop`, matched on the text of its last tokens; kept too) or at
+`max_new_tokens`; finished rows ride along until every row is done.
 
 A multimodal directory (one with a processor config, e.g. `tiny-omni`) loads through `workers.omni.loading`
 and also serves media prompts (`MediaEngine`): each is prefilled on its own with its processor tensors and
@@ -118,12 +119,14 @@ class TorchEngine:
         out: list[list[Generated]] = [[] for _ in prompts]
         for row, (toks, lps, length) in enumerate(zip(tokens.tolist(), logps.tolist(), lengths.tolist(), strict=True)):
             toks, lps = toks[:length], lps[:length]
+            text = str(self.tokenizer.decode(toks, skip_special_tokens=True))
+            stopped = toks[-1] in eos or any(s in text for s in sampling.stop)
             out[row // n].append(
                 Generated(
                     token_ids=toks,
                     logprobs=lps,
-                    text=str(self.tokenizer.decode(toks, skip_special_tokens=True)),
-                    finish_reason="stop" if toks[-1] in eos else "length",
+                    text=text,
+                    finish_reason="stop" if stopped else "length",
                     routing=None if routing is None else routing[row],
                 )
             )
@@ -203,6 +206,8 @@ class TorchEngine:
             logps[:, step] = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
             lengths += (~done).long()
             done |= torch.isin(tok, self.eos_ids)
+            if sampling.stop:
+                done |= self._at_stop(tokens, step, done, sampling.stop)
             if bool(done.all()) or step == steps - 1:
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)  # [B, W + step + 1]
@@ -218,6 +223,16 @@ class TorchEngine:
             logits = self._masked(out.logits[:, -1].float())  # [B, V]
             next_pos = next_pos + 1
         return tokens, logps, lengths
+
+    def _at_stop(self, tokens: torch.Tensor, step: int, done: torch.Tensor, stop: tuple[str, ...]) -> torch.Tensor:
+        """[B] bool: the rows not yet done whose last tokens (`tokens` [B, S] up to `step`) now hold a stop string.
+        A token holds at least one character, so the last `len(stop)` tokens hold any stop string just completed."""
+        window = max(len(s) for s in stop)
+        hit = torch.zeros_like(done)
+        for row in (~done).nonzero().flatten().tolist():
+            tail = self.tokenizer.decode(tokens[row, max(0, step + 1 - window) : step + 1].tolist())
+            hit[row] = any(s in tail for s in stop)
+        return hit
 
     def _masked(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits [B, V] with the media special tokens at -inf (unchanged for a text model)."""

@@ -144,7 +144,9 @@ class VllmEngine:
                 logprobs=0,
                 stop_token_ids=self.eos_ids,
                 seed=seed,
-                detokenize=False,
+                detokenize=bool(sampling.stop),  # stop strings are matched on the text
+                stop=list(sampling.stop) or None,
+                include_stop_str_in_output=True,
             )
             for seed in (seeds if seeds is not None else _prompt_seeds(sampling.seed, len(prompts), n))
         ]
@@ -185,11 +187,12 @@ class VllmEngine:
         """Turn one vLLM CompletionOutput into a Generated (the sampled token's entry in each logprobs dict)."""
         tokens = list(completion.token_ids)
         logprobs = [float(step[tok].logprob) for step, tok in zip(completion.logprobs, tokens, strict=True)]
+        stopped_on_text = isinstance(getattr(completion, "stop_reason", None), str)  # one of `sampling.stop`
         return Generated(
             token_ids=tokens,
             logprobs=logprobs,
             text=str(self.tokenizer.decode(tokens, skip_special_tokens=True)),
-            finish_reason="stop" if tokens and tokens[-1] in self.eos_ids else "length",
+            finish_reason="stop" if (tokens and tokens[-1] in self.eos_ids) or stopped_on_text else "length",
         )
 
     def _checked_weights(self, state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:

@@ -76,6 +76,7 @@ _DEFAULTS: dict[str, tuple[str, ...]] = {
     "jsonl": ("exact",),
     "hf": ("exact",),
     "omni": ("exact",),
+    "arithmetic": ("exact",),
 }
 
 

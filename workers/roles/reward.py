@@ -111,11 +111,17 @@ class TrustedTask:
 
 
 def score_group(
-    scorer: Scorer, group: RolloutGroup, worker_id: str = "", answer: str | None = None, tokenizer: Any = None
+    scorer: Scorer,
+    group: RolloutGroup,
+    worker_id: str = "",
+    answer: str | None = None,
+    tokenizer: Any = None,
+    episode_reward: str = "rule",
 ) -> ScoredGroup:
     """Score each sample against `answer` (default: the one the message carries); failures are zero
     rewards with the error in the details. With `tokenizer`, the text scored is decoded from the token ids
-    (`scored_text`), and a sample whose sent text differs carries the decoded one on."""
+    (`scored_text`), and a sample whose sent text differs carries the decoded one on. An episode is scored by
+    its final answer and, as `episode_reward` (`agent.reward`) says, its environment reward."""
     rewards, details = [], []
     answer = group.prompt.answer if answer is None else answer
     samples = group.samples if tokenizer is None else tuple(_as_decoded(tokenizer, s) for s in group.samples)
@@ -124,10 +130,43 @@ def score_group(
         log.warning("sample_text_replaced", group_id=group.group_id, samples=differ, source=group.worker_id)
         group = group.model_copy(update={"samples": samples})
     for sample in samples:
-        reward, components, error = scorer.score(sample.text, answer, sample.finish_reason)
+        if sample.episode is None:
+            reward, components, error = scorer.score(sample.text, answer, sample.finish_reason)
+        else:
+            reward, components, error = _score_episode(scorer, sample, answer, tokenizer, episode_reward)
         rewards.append(reward)
         details.append(RewardDetail(components=components, error=error))
     return ScoredGroup(rollout=group, rewards=tuple(rewards), details=tuple(details), worker_id=worker_id)
+
+
+def episode_answer(tokenizer: Any, sample: Sample) -> str:
+    """An episode's final answer, from its token ids: its last run of trained tokens (the policy's last turn) when
+    that turn answered (`ended == "answer"`), else empty. Read from the ids, as `scored_text` is."""
+    if sample.episode is None or sample.episode.ended != "answer":
+        return ""
+    ids, trained = sample.token_ids.to_values(), sample.trained()
+    start = len(trained)
+    while start > 0 and trained[start - 1]:
+        start -= 1
+    text = tokenizer.decode(ids[start:], skip_special_tokens=True) if tokenizer is not None else sample.episode.answer
+    return str(text)
+
+
+def _score_episode(
+    scorer: Scorer, sample: Sample, answer: str | None, tokenizer: Any, how: str
+) -> tuple[float, dict[str, float], str | None]:
+    """(reward, components, error) of an episode: its final answer through the run's rewards (`rule`), the
+    environment's summed step rewards (`env`), or both (`sum`). An episode that did not answer scores its rule
+    terms on an empty answer with finish reason `length`."""
+    assert sample.episode is not None
+    env = sample.episode.env_reward or 0.0
+    if how == "env":
+        return env, {"env": env}, None
+    finish = "stop" if sample.episode.ended == "answer" else "length"
+    reward, components, error = scorer.score(episode_answer(tokenizer, sample), answer, finish)
+    if how == "sum":
+        return reward + env, {**components, "env": env}, error
+    return reward, components, error
 
 
 def _as_decoded(tokenizer: Any, sample: Sample) -> Sample:
@@ -153,11 +192,12 @@ def reward_worker(
             [f"samples_per_group is {bus.config.samples_per_group}: a group of one sample is always uniform"],
         )
     worker_id = options.worker_id
+    episode_reward = bus.config.agent.reward if bus.config.agent is not None else "rule"
 
     async def handle(group: RolloutGroup, delivery: Delivery) -> ScoredGroup | TrainGroup:
         answer = task.answer(group.prompt) if task is not None else None
         async with one_at_a_time:
-            scored = await asyncio.to_thread(score_group, scorer, group, worker_id, answer, tokenizer)
+            scored = await asyncio.to_thread(score_group, scorer, group, worker_id, answer, tokenizer, episode_reward)
         if drop_uniform:
             await filter_uniform(bus, scored, worker_id)
         return TrainGroup(scored=scored) if to_train else scored

@@ -40,6 +40,7 @@ from workers.omni.loading import is_multimodal
 from workers.omni.logprobs import check_positions
 from workers.omni.media_refs import PayloadCache, has_media, uri_path
 from workers.omni.prompts import MediaPrompter
+from workers.roles.agent import Agent
 from workers.roles.partial import generate_partial, labelled
 from workers.roles.serve import RoleContext, run_worker
 from workers.weights import WeightTransport, make_transport
@@ -84,6 +85,8 @@ class Rollout:
         self.payloads = PayloadCache(bus.media, root=self.media_root)
         self._loop_task: asyncio.Task[None] | None = None
         self.worker: Worker[PromptGroup] | None = None
+        self.agent: Agent | None = None
+        """Runs each sample as a multi-turn episode (`agent` in the run config); None: one response per sample."""
 
     async def start(self) -> None:
         await self.tracker.start()
@@ -163,7 +166,9 @@ class Rollout:
         seeds = None if cfg.seed is None else [group_seed(cfg.seed, r.prompt) for r in requests]
         started = time.perf_counter()
         media = [r.media for r in requests]
-        if any(m is not None for m in media):  # partial rollouts are refused for multimodal models at start
+        if self.agent is not None:  # multi-turn episodes (media and partial rollouts are refused at start)
+            groups = await self.agent.groups([r.prompt for r in requests], ids, n, seeds, version)
+        elif any(m is not None for m in media):  # partial rollouts are refused for multimodal models at start
             engine = cast(MediaEngine, self.engine)
             outputs = await asyncio.to_thread(engine.generate, ids, n, self.sampling, seeds, media)
             groups = [(version, tuple(sample_of(g) for g in samples)) for samples in outputs]
@@ -334,6 +339,10 @@ async def rollout_worker(
         raise ValueError(f"a multimodal model needs an engine that takes media (torch), not {engine_cfg.type}")
     options = options or WorkerOptions(concurrency=cfg.rollout.batch_groups)
     rollout = Rollout(bus, engine, load_tokenizer(model_dir), make_transport(bus), options.worker_id)
+    if cfg.agent is not None:
+        if getattr(engine, "processor", None) is not None or cfg.rollout.partial != "off":
+            raise ValueError("agent episodes need a text model and rollout.partial off")
+        rollout.agent = await Agent.start(bus, engine, rollout.tokenizer, rollout.sampling)
     worker = Worker(bus, "rollout", rollout.handle, PromptGroup, options)
     rollout.worker = worker
     return worker, rollout

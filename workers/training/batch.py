@@ -24,7 +24,8 @@ class Batch:
 
     ids: torch.Tensor  # [N, T] long
     attention: torch.Tensor  # [N, T] long
-    mask: torch.Tensor  # [N, T-1] float, 1 on response tokens (aligned with token_logprobs)
+    mask: torch.Tensor  # [N, T-1] float, 1 on trained response tokens (aligned with token_logprobs); 0 on padding,
+    # prompts and an episode's observation tokens
     rollout_logp: torch.Tensor  # [N, T-1] float
     ref_logp: torch.Tensor | None  # [N, T-1] float
     rewards: torch.Tensor  # [B, n] float
@@ -60,13 +61,14 @@ class Batch:
 def make_batch(groups: Sequence[TrainGroup], media: Sequence[MediaInputs | None] = ()) -> Batch:
     """Pack B train groups of n samples each into padded tensors (with each group's media tensors, if given)."""
     rows: list[tuple[list[int], list[int], list[float], list[float] | None]] = []
-    rewards, group_of, routing = [], [], []
+    rewards, group_of, routing, trained = [], [], [], []
     for index, g in enumerate(groups):
         rollout = g.scored.rollout
         prompt = list(rollout.prompt_token_ids.to_values())
         rewards.append(list(g.scored.rewards))
         for i, s in enumerate(rollout.samples):
             routing.append(s.routed_experts)
+            trained.append(s.trained() if s.loss_mask is not None else None)
             ref = list(g.ref_logprobs[i].to_values()) if g.ref_logprobs is not None else None
             rows.append((prompt, list(s.token_ids.to_values()), list(s.logprobs.to_values()), ref))  # type: ignore[arg-type]
             group_of.append(index)
@@ -81,7 +83,9 @@ def make_batch(groups: Sequence[TrainGroup], media: Sequence[MediaInputs | None]
         p, r = len(prompt), len(response)
         ids[row, : p + r] = torch.tensor(prompt + response)
         attention[row, : p + r] = 1
-        mask[row, p - 1 : p - 1 + r] = 1  # logit at position t predicts token t+1
+        # logit at position t predicts token t+1; an episode's observation tokens stay 0 (never trained)
+        keep = trained[row]
+        mask[row, p - 1 : p - 1 + r] = 1 if keep is None else torch.tensor(keep, dtype=mask.dtype)
         rollout_logp[row, p - 1 : p - 1 + r] = torch.tensor(lps)
         if ref_logp is not None and ref is not None:
             ref_logp[row, p - 1 : p - 1 + r] = torch.tensor(ref)

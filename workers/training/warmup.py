@@ -16,6 +16,7 @@ import torch
 
 from relax_bus.log import get_logger
 from workers.data.prompts import answer_ids, prompt_ids
+from workers.data.task_items import Demo
 from workers.data.tasks import TaskItem, prompt_text
 from workers.omni.group_forward import sample_after
 from workers.omni.media_refs import has_media
@@ -57,7 +58,12 @@ def run_warmup(
     """
     wcfg = trainer.cfg.warmup
     tok = trainer.tokenizer
-    examples = [(item_prompt(trainer, it), answer_ids(tok, it.answer)) for it in items if it.answer is not None]
+    examples: list[tuple[Prompt, Target]] = [
+        (item_prompt(trainer, it), _target(tok, it)) for it in items if it.answer is not None or it.demos
+    ]
+    noisy: list[tuple[Target, ...]] = [
+        tuple(demo_ids(tok, d) for d in it.demos[1:]) for it in items if it.answer is not None or it.demos
+    ]
     if wcfg.max_steps == 0 or not examples:
         return {"warmup_steps": 0.0, "warmup_accuracy": float("nan")}
     model = trainer.model
@@ -87,9 +93,12 @@ def run_warmup(
     for _ in range(wcfg.noise_steps if wcfg.label_noise > 0 else 0):
         chosen = []
         for _ in range(wcfg.batch_size):
-            prompt, answer = examples[rng.randrange(len(examples))]
-            if rng.random() < wcfg.label_noise:
-                answer = rng.choice([a for a in answers if a != answer] or [answer])
+            at = rng.randrange(len(examples))
+            prompt, answer = examples[at]
+            if rng.random() < wcfg.label_noise:  # a demonstrated mistake, or another item's answer
+                answer = (
+                    rng.choice(noisy[at]) if noisy[at] else rng.choice([a for a in answers if a != answer] or [answer])
+                )
             chosen.append((prompt, answer))
         _sft_step(trainer, opt, chosen)
     if wcfg.label_noise > 0 and wcfg.noise_steps > 0:
@@ -98,17 +107,43 @@ def run_warmup(
     return {"warmup_steps": float(step + wcfg.noise_steps), "warmup_accuracy": accuracy}
 
 
-def _sft_step(trainer: PolicyTrainer, opt: torch.optim.Optimizer, chosen: Sequence[tuple[Prompt, list[int]]]) -> float:
-    """One supervised step: mean token log-loss of the answers after their prompts."""
-    seqs = [p + a for (p, _), a in chosen]
+Target = tuple[list[int], list[int]]
+"""A supervised target after a prompt: its token ids and, per id, 1 when trained (0: an observation's, context)."""
+
+
+def _target(tokenizer: Any, item: TaskItem) -> Target:
+    """The clean target of an item: its first demonstration, or its answer then EOS."""
+    if item.demos:
+        return demo_ids(tokenizer, item.demos[0])
+    assert item.answer is not None
+    ids = answer_ids(tokenizer, item.answer)
+    return ids, [1] * len(ids)
+
+
+def demo_ids(tokenizer: Any, demo: Demo) -> Target:
+    """A demonstration's ids, segment by segment as the rollout appends them, then EOS; and which are trained."""
+    ids: list[int] = []
+    trained: list[int] = []
+    for text, train in demo:
+        part = [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+        ids += part
+        trained += [int(train)] * len(part)
+    ids.append(int(tokenizer.eos_token_id))
+    trained.append(1)
+    return ids, trained
+
+
+def _sft_step(trainer: PolicyTrainer, opt: torch.optim.Optimizer, chosen: Sequence[tuple[Prompt, Target]]) -> float:
+    """One supervised step: mean token log-loss of the targets' trained tokens after their prompts."""
+    seqs = [p + a for (p, _), (a, _) in chosen]
     width = max(len(s) for s in seqs)
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
     attention = torch.zeros_like(ids)
     mask = torch.zeros(len(seqs), width - 1)
-    for row, (((p, _), _), s) in enumerate(zip(chosen, seqs, strict=True)):
+    for row, (((p, _), (_, trained)), s) in enumerate(zip(chosen, seqs, strict=True)):
         ids[row, : len(s)] = torch.tensor(s)
         attention[row, : len(s)] = 1
-        mask[row, len(p) - 1 : len(s) - 1] = 1
+        mask[row, len(p) - 1 : len(s) - 1] = torch.tensor(trained, dtype=mask.dtype)
     device = trainer.device
     with trainer.autocast():
         if trainer.prompter is not None:
@@ -128,7 +163,8 @@ def _sft_step(trainer: PolicyTrainer, opt: torch.optim.Optimizer, chosen: Sequen
 
 @torch.no_grad()
 def sampled_accuracy(trainer: PolicyTrainer, items: Sequence[TaskItem]) -> float:
-    """Fraction of one temperature-1 sample per item that exactly matches the answer (then eos)."""
+    """Fraction of one temperature-1 sample per item that exactly matches the answer (then eos); for an item with
+    demonstrations, whose first turn is the clean demonstration's first segment (the call, for a tool task)."""
     model, tok, device = trainer.model, trainer.tokenizer, trainer.device
     rollout = trainer.config.rollout
     model.eval()
@@ -148,6 +184,7 @@ def sampled_accuracy(trainer: PolicyTrainer, items: Sequence[TaskItem]) -> float
         for it in items:
             ids = torch.tensor([item_prompt(trainer, it)[0]], device=device)
             out: list[int] = []
+            first = it.demos[0][0][0] if it.demos else None
             for _ in range(rollout.max_new_tokens):
                 with trainer.autocast():
                     logits = model(input_ids=ids, use_cache=False).logits[0, -1].float() / rollout.temperature
@@ -157,7 +194,13 @@ def sampled_accuracy(trainer: PolicyTrainer, items: Sequence[TaskItem]) -> float
                     break
                 out.append(token)
                 ids = torch.cat([ids, torch.tensor([[token]], device=device)], dim=1)
+                if first is not None and len(tok.decode(out)) >= len(first):
+                    break
             else:
+                if first is None:
+                    continue
+            if first is not None:
+                hits += tok.decode(out).startswith(first)
                 continue
             hits += tok.decode(out).strip() == (it.answer or "").strip()
         return hits / max(1, len(items))
