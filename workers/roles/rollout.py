@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 from urllib.parse import urlparse
 
 from relax_bus.bus import Bus
@@ -40,10 +40,12 @@ from workers.omni.loading import is_multimodal
 from workers.omni.logprobs import check_positions
 from workers.omni.media_refs import PayloadCache, has_media, uri_path
 from workers.omni.prompts import MediaPrompter
-from workers.roles.agent import Agent
 from workers.roles.partial import generate_partial, labelled
 from workers.roles.serve import RoleContext, run_worker
 from workers.weights import WeightTransport, make_transport
+
+if TYPE_CHECKING:
+    from workers.roles.agent import Agent
 
 log = get_logger(__name__)
 COLLECT_S = 0.01
@@ -340,6 +342,8 @@ async def rollout_worker(
     options = options or WorkerOptions(concurrency=cfg.rollout.batch_groups)
     rollout = Rollout(bus, engine, load_tokenizer(model_dir), make_transport(bus), options.worker_id)
     if cfg.agent is not None:
+        from workers.roles.agent import Agent  # the environment client and formats: only runs with episodes
+
         if getattr(engine, "processor", None) is not None or cfg.rollout.partial != "off":
             raise ValueError("agent episodes need a text model and rollout.partial off")
         rollout.agent = await Agent.start(bus, engine, rollout.tokenizer, rollout.sampling)

@@ -10,9 +10,11 @@ step's updates.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 
 import torch
 
+from schemas import Sample
 from workers.training.batch import Batch
 from workers.training.corrections import CORRECTION_METRICS
 from workers.training.policy_losses import LOSS_METRICS
@@ -73,4 +75,28 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
         "reward_mean": float(batch.rewards.mean()),
         "reward_std": float(batch.rewards.std(unbiased=False)),
         "response_tokens": float(batch.mask.sum()),
+    }
+
+
+def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:
+    """A step's agentic episodes (samples with `episode`): turns and tool calls per episode, the fraction of calls the
+    environment took as valid, environment errors, replays and resumed turns (counts), seconds waited for the
+    environment per call, the truncated fraction and the mean environment reward; empty without episodes."""
+    episodes = [s.episode for s in samples if s.episode is not None]
+    if not episodes:
+        return {}
+    count = len(episodes)
+    calls = sum(e.tool_calls for e in episodes)
+    rewarded = [e.env_reward for e in episodes if e.env_reward is not None]
+    return {
+        "episode_turns_mean": sum(e.turns for e in episodes) / count,
+        "episode_tool_calls_mean": calls / count,
+        "tool_call_valid_fraction": (calls - sum(e.invalid_calls for e in episodes)) / calls if calls else float("nan"),
+        "episode_truncated_fraction": sum(e.truncated for e in episodes) / count,
+        "episode_answered_fraction": sum(e.ended == "answer" for e in episodes) / count,
+        "env_errors": float(sum(e.env_errors for e in episodes)),
+        "env_replays": float(sum(e.replays for e in episodes)),
+        "episode_resumed_turns": float(sum(e.resumed_turns for e in episodes)),
+        "env_s_per_call": sum(e.env_s for e in episodes) / calls if calls else 0.0,
+        "env_reward_mean": sum(rewarded) / len(rewarded) if rewarded else float("nan"),
     }
