@@ -78,16 +78,16 @@ from workers.role_registry import ROLE_NAMES, ROLES, SCALABLE_ROLES, chain_of
 
 __all__ = [
     "AdditionOptions",
-    "AgentConfig",
-    "EnvSpec",
     "AdditionTask",
     "AdvantageConfig",
+    "AgentConfig",
     "AnyReward",
     "BroadcastWeights",
     "CorrectionConfig",
     "DirSource",
     "DrGrpoAdvantage",
     "EngineConfig",
+    "EnvSpec",
     "ExactReward",
     "FilesystemWeights",
     "FormatOptions",
