@@ -47,3 +47,8 @@ NOT_CALLABLE = 3
 def length_credit(completion: str, answer: str | None, finish_reason: str) -> float:
     """Longer completions score more: a signal an untrained model already varies on."""
     return len(completion) / 8.0
+
+
+def tool_value(completion: str, answer: str | None, finish_reason: str) -> object:
+    """A tool's result of the kind the completion names: JSON (`list`) or not (`set`, `nan`)."""
+    return {"list": [1, "a", None, {"b": True}], "set": {1}, "nan": float("nan")}[completion]

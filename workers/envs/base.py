@@ -9,7 +9,8 @@ final answer. An environment instance serves one episode: `reset(item)` starts i
     step(action)  -> StepResult(observation, reward, done, info)
 
 `action` is the call's text as the format extracts it: `37*45` from the tiny model's `<call>37*45</call>`, the JSON
-object `{"name": ..., "arguments": {...}}` from a chat model's `<tool_call>...</tool_call>`. `reward` is the step's
+object `{"name": ..., "arguments": {...}}` from a chat model's `<tool_call>...</tool_call>`; an environment takes
+both, reading its argument with `call_argument(action, key)`. `reward` is the step's
 own reward (None: the step gives none); `done` ends the episode after this observation. An environment that
 cannot take an action (a malformed call) says so in its observation, as a tool would, and the episode goes on;
 an exception is an environment error, which ends the episode with a typed reason.
@@ -24,6 +25,7 @@ or, for a user's own, `agent.env: {type: my_module:MyEnv, options: {...}}` in th
 from __future__ import annotations
 
 import importlib
+import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -80,6 +82,36 @@ class Environment(Protocol):
     def step(self, action: str) -> StepResult:
         """Take one action of the policy."""
         ...
+
+
+def call_argument(action: str, key: str) -> str:
+    """The argument `key` of a JSON call (`{"name": ..., "arguments": {...}}`, the arguments an object or a JSON
+    string of one) as text, or `action` itself when it is not such a call (the tiny model's raw call text).
+
+    A string argument is returned as it is, a number as its decimal text; ValueError (one line, for the
+    observation) when a JSON call lacks the argument or gives it as anything else."""
+    try:
+        call = json.loads(action)
+    except (ValueError, RecursionError):
+        return action
+    if not isinstance(call, dict) or not {"name", "arguments"} & call.keys():
+        return action
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):  # the OpenAI shape: the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            raise ValueError("the call's arguments are not a JSON object") from None
+    if not isinstance(arguments, dict):
+        raise ValueError("the call's arguments are not a JSON object")
+    if key not in arguments:
+        raise ValueError(f"the call has no argument {key!r}")
+    value = arguments[key]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    raise ValueError(f"the call's argument {key!r} is not a string or a number")
 
 
 def tools_of(env_class: type) -> list[dict[str, Any]]:

@@ -14,8 +14,10 @@ this package's own files runs before the confinement. Two processes:
                 (`workers.rewards.sandbox.view`), drops privileges, sets its rlimits, then answers one
                 JSON line per request line:
                   {"id", "op": "load", "ref", "options"}                      import and check a function
-                  {"id", "op": "call", "ref", "completion", "answer", "finish_reason", "options"}
+                  {"id", "op": "call", "ref", "completion", "answer", "finish_reason", "options", "returns"?}
                 with {"id", "status": "ok" | "error" | "bad_options", "value" | "error", "retire"?}
+                A call's value is a float or a dict of floats (a reward), or, with `"returns": "json"`,
+                any JSON value (a tool's result, which its caller checks)
 
 The server's first line says what confinement it got ({"op": "ready", ...}) or why it has none
 ({"op": "failed", "error"}). `retire` asks the worker to replace it: it has used half its CPU budget.
@@ -174,6 +176,9 @@ def _answer(request: dict[str, Any], functions: dict[str, RewardFn]) -> dict[str
             return {"status": "ok"} if problem is None else {"status": "bad_options", "error": problem}
         fn = functions[request["ref"]]
         value = fn(request["completion"], request["answer"], request["finish_reason"], **request["options"])
+        if request.get("returns") == "json":
+            json.dumps(value, allow_nan=False)  # what `_send` writes: refused here, as the function's error
+            return {"status": "ok", "value": value}
         return {"status": "ok", "value": checked(value)}
     except Exception as err:  # deliberate: user code faults are reported to the worker, not fatal
         return {"status": "error", "error": _describe(err)}

@@ -17,7 +17,8 @@ The worker starts `python -m workers.rewards.sandbox.child` (the child's side, a
   thread drains, keeping the last `OUTPUT_TAIL_BYTES` for the log lines of a sandbox that died or hung.
 
 Every reply is read with a deadline and a size cap, and checked: too large, not JSON, the wrong id or
-not a float / dict of floats is a reward error, never a crash or a hang, and the child is replaced. A
+not a float / dict of floats is a reward error, never a crash or a hang, and the child is replaced
+(`call_json`, which runs a tool for an environment, takes any JSON value and leaves its check to the caller). A
 timeout or a dead child tears down the whole sandbox; the next call starts a fresh one. No pickle: the
 worker never deserialises anything but JSON from user code.
 """
@@ -28,8 +29,8 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, TypeVar
 
 from relax_bus.log import get_logger
 from workers.config.rewards import RewardSandbox
@@ -41,6 +42,7 @@ log = get_logger(__name__)
 
 START_TIMEOUT_S = 60.0
 """How long the sandbox may take to start and to import each user function."""
+_V = TypeVar("_V")
 
 
 class RewardFailed(Exception):
@@ -56,10 +58,14 @@ class SandboxNotIsolated(ValueError):
 class Sandbox:
     """A persistent confined child that imports and runs user reward functions, one call at a time."""
 
-    def __init__(self, functions: Sequence[tuple[str, dict[str, Any]]], settings: RewardSandbox) -> None:
+    def __init__(
+        self, functions: Sequence[tuple[str, dict[str, Any]]], settings: RewardSandbox, *, owner: str = "reward"
+    ) -> None:
         self._functions = list(functions)
         """`(module:callable, options)` of every function, loaded and checked on each start."""
         self._settings = settings
+        self._owner = owner
+        """What the config section that holds the `sandbox` settings is, for the refusal's line."""
         self._process: SandboxProcess | None = None
         self._lock = threading.Lock()
         self._warned = False
@@ -96,6 +102,16 @@ class Sandbox:
         """Run one function; RewardFailed on its error, on a timeout or if the sandbox broke."""
         request: dict[str, Any] = {"op": "call", "ref": ref, "completion": completion, "answer": answer}
         request |= {"finish_reason": finish_reason, "options": options}
+        return self._call(request, timeout_s, self._value)
+
+    def call_json(self, ref: str, text: str, options: dict[str, Any], timeout_s: float) -> Any:
+        """Run one function on `text` (as its completion, with no answer) that returns any JSON value, such
+        as a tool's result, unchecked; RewardFailed as for `call`."""
+        request: dict[str, Any] = {"op": "call", "ref": ref, "completion": text, "answer": None}
+        request |= {"finish_reason": "stop", "options": options, "returns": "json"}
+        return self._call(request, timeout_s, self._json_value)
+
+    def _call(self, request: dict[str, Any], timeout_s: float, value_of: Callable[[dict[str, Any]], _V]) -> _V:
         with self._lock:
             if self._process is None:
                 self._start()
@@ -103,11 +119,12 @@ class Sandbox:
                 self._warned = True
                 self._warn_of_gaps(self.info)
             reply = self._request(request, timeout_s)
-            value = self._value(reply) if reply["status"] == "ok" else None
+            if reply["status"] == "ok":
+                value = value_of(reply)
             if reply.get("retire"):
                 log.debug("reward_sandbox_recycled", pid=self.pid, cpu_s=self._settings.cpu_s)
                 self._stop()
-        if value is None:
+        if reply["status"] != "ok":
             raise RewardFailed(reply["error"])
         return value
 
@@ -132,8 +149,9 @@ class Sandbox:
             self._stop()
             functions = ", ".join(sorted({ref for ref, _ in self._functions}))
             raise SandboxNotIsolated(
-                f"the reward sandbox cannot isolate user code ({functions}) here: {missing}; allow unprivileged "
-                "user namespaces (docs/sandbox.md), or set `sandbox: unisolated` on the reward to run it anyway"
+                f"the {self._owner} sandbox cannot isolate user code ({functions}) here: {missing}; allow "
+                f"unprivileged user namespaces (docs/sandbox.md), or set `sandbox: unisolated` on the {self._owner} "
+                "to run it anyway"
             )
         for ref, options in self._functions:
             try:
@@ -201,6 +219,11 @@ class Sandbox:
             return checked(reply["value"])
         except (KeyError, TypeError, ValueError, OverflowError):
             self._broken("a value that is not a float or a dict of floats")
+
+    def _json_value(self, reply: dict[str, Any]) -> Any:
+        if "value" not in reply:
+            self._broken("an ok reply without a value")
+        return reply["value"]
 
     def _receive(self, request: dict[str, Any], timeout_s: float, deadline: float) -> dict[str, Any]:
         """The next reply line as a dict; the sandbox is stopped and RewardFailed raised if there is none."""
