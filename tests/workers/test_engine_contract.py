@@ -236,6 +236,22 @@ def test_rows_that_stop_early_keep_their_own_logprobs(engine: Engine, reference:
     assert logprob_errors(reference, PROMPTS, out, 1.0).abs().max() < TOLERANCE
 
 
+def test_stop_strings_end_a_row_once_completed(engine: Engine, reference: PreTrainedModel) -> None:
+    stop = tuple("abcdefghijklmnopqrstuvwxyz")  # ~10% of the random model's byte tokens: some rows stop, some not
+    out = engine.generate(PROMPTS, 8, SamplingSettings(max_new_tokens=8, seed=0, stop=stop))
+    samples = [g for s in out for g in s]
+    stopped = [g for g in samples if g.token_ids[-1] != EOS_ID and any(c in g.text for c in stop)]
+    assert stopped and len(stopped) < len(samples)
+    for g in samples:
+        first = min((g.text.index(c) for c in stop if c in g.text), default=None)
+        if first is None:
+            assert g.finish_reason == ("stop" if g.token_ids[-1] == EOS_ID else "length")
+        else:  # the row ended with the token that completed its first stop string, and says so
+            assert first == len(g.text) - 1, g.text
+            assert g.finish_reason == "stop"
+    assert logprob_errors(reference, PROMPTS, out, 1.0).abs().max() < TOLERANCE
+
+
 # ---------------------------------------------------------------- weights
 
 
