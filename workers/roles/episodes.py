@@ -199,8 +199,11 @@ async def _open(ep: _Episode, open_env: Opener, fmt: ToolFormat, limits: Limits,
     if not ep.record.started:
         ep.record.started = True
         text = ep.session.observation[: limits.max_observation_chars]
-        if text:
-            ep.add(fmt.opening_ids(text), None, max(0, version), 0)
+        ids = fmt.opening_ids(text) if text else []
+        if len(ids) > limits.max_tokens:  # as an observation after a step: not appended when it does not fit
+            ep.ended = "max_tokens"
+            return
+        ep.add(ids, None, max(0, version), 0)
 
 
 async def _policy_turn(
@@ -225,7 +228,7 @@ async def _policy_turn(
         generated = [g for (g,) in outputs]
     version = engine.version
     for ep, gen in zip(running, generated, strict=True):
-        room = limits.max_tokens - len(ep.record.tokens)
+        room = max(0, limits.max_tokens - len(ep.record.tokens))  # a negative bound would slice from the end
         ids, lps = gen.token_ids[:room], gen.logprobs[:room]
         ep.add(ids, lps, version, 1)
         ep.fed = len(ep.record.tokens)  # a turn batch's cache holds the sampled tokens (the last one waits in it)
