@@ -19,6 +19,7 @@ never ends here (the policy answers after the observation).
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable
 from fractions import Fraction
 from typing import Any, ClassVar
@@ -56,18 +57,24 @@ class Calculator:
         }
     ]
 
-    def __init__(self, max_length: int = 200, max_value: int = 10**18) -> None:
+    def __init__(self, max_length: int = 200, max_value: int = 10**18, latency_s: float = 0.0) -> None:
         if max_length < 1 or max_value < 1:
             raise ValueError("max_length and max_value must be positive")
+        if not 0 <= latency_s <= 60:
+            raise ValueError(f"latency_s must be within 0..60 seconds, got {latency_s}")
         self.max_length = max_length
         """Longest expression, in characters."""
         self.max_value = max_value
         """Largest magnitude of a literal, of every intermediate value and of the result."""
+        self.latency_s = latency_s
+        """Seconds every step takes on top of the arithmetic: a remote tool's latency, for benchmarks and tests."""
 
     def reset(self, item: EnvItem) -> str:
         return ""
 
     def step(self, action: str) -> StepResult:
+        if self.latency_s:
+            time.sleep(self.latency_s)  # the server runs steps in threads: other episodes go on meanwhile
         try:
             expression = call_argument(action, "expression")
             value = evaluate(expression, self.max_length, self.max_value)
