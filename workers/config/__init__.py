@@ -78,16 +78,16 @@ from workers.role_registry import ROLE_NAMES, ROLES, SCALABLE_ROLES, chain_of
 
 __all__ = [
     "AdditionOptions",
-    "AgentConfig",
-    "EnvSpec",
     "AdditionTask",
     "AdvantageConfig",
+    "AgentConfig",
     "AnyReward",
     "BroadcastWeights",
     "CorrectionConfig",
     "DirSource",
     "DrGrpoAdvantage",
     "EngineConfig",
+    "EnvSpec",
     "ExactReward",
     "FilesystemWeights",
     "FormatOptions",
@@ -273,6 +273,19 @@ class PipelineConfig(RunConfig):
                 f"trainer.moe.routing_replay r3 with rollout.partial {self.rollout.partial}: a continued response's "
                 "prefix was routed under older weights than the rest, and routing spans are not recorded; turn one off"
             )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _counts_of_absent_roles(self) -> PipelineConfig:
+        # A dumped config names every count (1 included), so only another count says the user meant one.
+        problems = [
+            f"roles.{r.name} is {self.roles.count(r.name)} but the run has no {r.name} role ({r.why_absent}): "
+            f"leave roles.{r.name} out"
+            for r in ROLES
+            if r.count_needs_role and not r.enabled(self) and self.roles.count(r.name) != 1
+        ]
         if problems:
             raise ValueError("; ".join(problems))
         return self

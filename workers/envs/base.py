@@ -92,7 +92,9 @@ def env_class(spec: str) -> type:
     """The environment class a config names: a built-in (`calculator`) or `module:Class`; ValueError otherwise."""
     target = ENVIRONMENTS.get(spec, spec)
     if ":" not in target:
-        raise ValueError(f"unknown environment {spec!r}: a built-in ({', '.join(sorted(ENVIRONMENTS))}) or module:Class")
+        raise ValueError(
+            f"unknown environment {spec!r}: a built-in ({', '.join(sorted(ENVIRONMENTS))}) or module:Class"
+        )
     module_name, class_name = target.split(":", 1)
     try:
         module = importlib.import_module(module_name)
