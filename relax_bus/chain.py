@@ -47,6 +47,11 @@ class Grants(BaseModel):
     """Writes, reads and deletes the records of multi-turn episodes in the episodes bucket (the rollout role)."""
     observes: bool = False
     """Reads the info of every stream and consumer of the run (queue depths for dashboards), as the observer."""
+    calls_env: bool = False
+    """Sends requests to the run's environment service (reset, step, close: the rollout's episodes)."""
+    serves_env: bool = False
+    """Is an environment server: answers the run's environment requests and the service's discovery requests,
+    and publishes nothing but those replies and its heartbeats (no stream, no dead letter, no event)."""
 
 
 class Role(BaseModel):

@@ -18,6 +18,13 @@ the `Topology` of its run. `relax_bus.provision` applies it to a server idempote
     relax_<run>_state     KV            run config, policy version, cursors, credits
     relax_<run>_workers   KV            heartbeats, one key `<role>.<worker id>` per worker, with a TTL
 
+Environments of agentic runs are core-NATS services (`nats.micro`), not streams: nothing is stored.
+
+    relax.<run>.env.reset              queue group `env`: every environment server of the run; starts an episode
+    relax.<run>.env.<instance>.step    one server's own: the next action of an episode it holds
+    relax.<run>.env.<instance>.close   one server's own: the end of an episode it holds
+    $SRV.PING|INFO|STATS[.relax-env]   the service's discovery subjects (`nats micro ls`, `relax inspect`)
+
 Every limit is bounded: messages by `bus.max_msg_bytes` on every stream (heartbeats by
 `bus.heartbeat_max_bytes`), each stream, bucket and store by bytes (the setting that bounds it is named on its
 spec, for errors that say what to raise or lower), and consumers by `bus.max_consumers` on each. The
@@ -38,7 +45,13 @@ from typing import Literal
 from relax_bus.chain import Role
 from relax_bus.settings import RunConfig
 
-__all__ = ["Role", "Topology", "build_topology", "state_bucket"]
+__all__ = ["EnvSubjects", "Role", "Topology", "build_topology", "env_subjects", "state_bucket"]
+
+ENV_SERVICE = "relax-env"
+"""The `nats.micro` service name of every environment server (`$SRV.*.relax-env`); its metadata names the run."""
+ENV_QUEUE = "env"
+"""The queue group of the environment servers' endpoints."""
+DISCOVERY_VERBS = ("PING", "INFO", "STATS")
 
 
 @dataclass(frozen=True)
@@ -107,6 +120,55 @@ class ObjectStoreSpec:
 
 
 @dataclass(frozen=True)
+class EnvSubjects:
+    """The subjects of a run's environment service (an environment class served with `nats.micro`): one reset
+    subject shared by every server in a queue group, and each server instance's own step and close subjects."""
+
+    run: str
+    service: str = ENV_SERVICE
+    queue: str = ENV_QUEUE
+
+    @property
+    def prefix(self) -> str:
+        return f"relax.{self.run}.env"
+
+    @property
+    def reset(self) -> str:
+        """Where an episode starts: any server of the run answers (queue group `queue`)."""
+        return f"{self.prefix}.reset"
+
+    def step(self, instance: str) -> str:
+        """Where the episodes held by server `instance` take their next action."""
+        return f"{self.prefix}.{instance}.step"
+
+    def close(self, instance: str) -> str:
+        """Where server `instance` is told an episode it holds is over."""
+        return f"{self.prefix}.{instance}.close"
+
+    def endpoints(self) -> tuple[str, ...]:
+        """Every endpoint subject of every instance (a wildcard for the instance)."""
+        return (self.reset, self.step("*"), self.close("*"))
+
+    def discovery(self) -> tuple[str, ...]:
+        """The `$SRV` subjects a server of the service answers: each verb for all services, this one, an instance."""
+        return tuple(
+            subject
+            for verb in DISCOVERY_VERBS
+            for subject in (f"$SRV.{verb}", f"$SRV.{verb}.{self.service}", f"$SRV.{verb}.{self.service}.*")
+        )
+
+    @property
+    def stats(self) -> str:
+        """Where every server of the service reports its endpoints' figures (`relax inspect`)."""
+        return f"$SRV.STATS.{self.service}"
+
+
+def env_subjects(run: str) -> EnvSubjects:
+    """The environment service subjects of `run` (they need nothing of its config but the name)."""
+    return EnvSubjects(run)
+
+
+@dataclass(frozen=True)
 class Topology:
     """Names and limits of everything one run uses on the server."""
 
@@ -142,6 +204,11 @@ class Topology:
 
     def object_store(self, key: str) -> str:
         return next(o.name for o in self.object_stores if o.key == key)
+
+    @property
+    def env(self) -> EnvSubjects:
+        """The run's environment service subjects."""
+        return env_subjects(self.run)
 
     def reserved_bytes(self) -> dict[str, int]:
         """What the run's byte bounds reserve on a server holding it, by the setting that sets them."""

@@ -2,6 +2,7 @@
 
     relax server | init | inspect | auth     the bus (run configs are read as the pipeline's)
     relax worker ROLE --run RUN               one role of an initialised run (roles: the registry's)
+    relax env serve MODULE:CLASS --run RUN    an environment class as one instance of the run's env service
     relax run CONFIG [section.key=value ...]  a whole run on this machine (overrides validated with CONFIG)
     relax replay RUN --step N                 recompute one step from its checkpoint
     relax config show CONFIG [k=v ...]        the effective config, defaults and chain included
@@ -58,6 +59,15 @@ def _parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="log level (also accepted before the command)",
     )
+
+    v = sub.add_parser("env", help="environments of agentic runs")
+    v_sub = v.add_subparsers(dest="env_command", required=True, metavar="ACTION")
+    vs = with_nats(
+        v_sub.add_parser("serve", help="serve an environment class on the bus (one instance of the run's env service)")
+    )
+    vs.add_argument("env", metavar="MODULE:CLASS", help="the environment: module:Class, or a built-in (calculator)")
+    vs.add_argument("--run", "--run-id", dest="run", required=True, help="run id")
+    vs.add_argument("--options", default="{}", help="the class's keyword arguments, a JSON object (default {})")
 
     y = with_nats(sub.add_parser("replay", help="recompute one step of a run from its checkpoint and compare the loss"))
     y.add_argument("run", help="run id")
@@ -123,6 +133,35 @@ async def _worker(args: argparse.Namespace, config_model: type[RunConfig]) -> in
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, _dump_tasks)
     return await run_role(args.role, connection_settings(args), args.run, Path(args.work_dir), args.threads)
+
+
+async def _env(args: argparse.Namespace, config_model: type[RunConfig]) -> int:
+    from relax_bus.connection import connect
+    from workers.envs.service import serve_env
+
+    try:
+        options = json.loads(args.options)
+    except ValueError as err:
+        raise ConfigError("relax env serve --options", [f"not JSON: {err}"]) from None
+    if not isinstance(options, dict):
+        raise ConfigError("relax env serve --options", ["a JSON object of keyword arguments, {...}"])
+    settings = connection_settings(args)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    nc = await connect(settings, name="relax-env", retry_for_s=settings.connect_retry_s)
+    try:
+        try:
+            server = await serve_env(nc, args.run, args.env, options)
+        except ValueError as err:  # deliberate: a wrong class or options is the user's to fix, in one line
+            raise ConfigError("relax env serve", [str(err)]) from None
+        print(f"serving {args.env} for run {args.run} as instance {server.instance} (Ctrl-C stops)", flush=True)
+        await stop.wait()
+        await server.stop()
+    finally:
+        if not nc.is_closed:
+            await nc.drain()
+    return 0
 
 
 def _dump_tasks() -> None:
@@ -243,6 +282,7 @@ async def _export(args: argparse.Namespace, config_model: type[RunConfig]) -> in
 
 COMMANDS: dict[str, Command] = {
     "worker": _worker,
+    "env": _env,
     "replay": _replay,
     "run": _run,
     "config": _config,

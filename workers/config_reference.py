@@ -71,6 +71,13 @@ def _type_name(annotation: Any) -> str:
     return str(annotation)
 
 
+def _selected_by_type(model: type[BaseModel]) -> bool:
+    """Whether `model` is one of a swappable part's types (a `type` field with a literal value), not a model whose
+    `type` names something free-form (`agent.env.type`: a built-in environment or `module:Class`)."""
+    field = model.model_fields.get("type")
+    return field is not None and typing.get_origin(field.annotation) is typing.Literal
+
+
 def _members(annotation: Any) -> list[type[BaseModel]]:
     """The models a field holds: itself, a union's members, a list's item, or none."""
     origin = typing.get_origin(annotation)
@@ -83,18 +90,12 @@ def _members(annotation: Any) -> list[type[BaseModel]]:
     return []
 
 
-def _typed(model: type[BaseModel]) -> bool:
-    """Whether `model` is one member of a union picked by a literal `type` field."""
-    field = model.model_fields.get("type")
-    return field is not None and typing.get_origin(field.annotation) is typing.Literal
-
-
 def _section(prefix: str, model: type[BaseModel], out: list[str], depth: int) -> None:
     rows, nested = [], []
     for name, field in model.model_fields.items():
         annotation = field.annotation
         members = _members(annotation)
-        union = len(members) > 1 or (members and _typed(members[0]) and name != "options")
+        union = len(members) > 1 or (members and _selected_by_type(members[0]) and name != "options")
         key = f"{prefix}{name}"
         listed = typing.get_origin(annotation) is tuple
         kind = ("list, each " if listed else "") + "one of the types below" if union else _type_name(annotation)

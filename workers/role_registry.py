@@ -10,13 +10,16 @@ entries read of it.
 
     feeder     publish prompts; write feeder.cursor; watch policy.version; follow dead letters; read the run's
                stream and consumer state (what is still on the bus bounds the dead-letter credit)
-    rollout    pull prompts, publish rollouts; read weights, watch policy.version; record episodes' turns
+    rollout    pull prompts, publish rollouts; read weights, watch policy.version; call the environment service and
+               record episodes' turns
     reward     pull rollouts, publish scored (train when the run has no reference role)
     reference  pull scored, publish train; read weights, watch policy.version
     actor      pull train, rewind its durable; publish prompts (requeues); write weights,
                policy.version, trainer.*, groups.dropped
     metrics    follow events (its own durable, rewound to its ack floor), write the sinks; read the
                run's consumer, stream and worker state (Prometheus gauges)
+    env        no stream: serve the run's environment (`agent.env`) as a NATS service, replies only
+               (runs with an `agent` section)
 """
 
 from __future__ import annotations
@@ -61,6 +64,10 @@ class RunShape(Protocol):
     def metrics(self) -> Any:
         """The metrics section (`metrics.enabled`)."""
 
+    @property
+    def agent(self) -> Any:
+        """The agent section (None: the run has no multi-turn episodes, hence no env role)."""
+
 
 def _always(config: RunShape) -> bool:
     return True
@@ -72,6 +79,10 @@ def _with_reference(config: RunShape) -> bool:
 
 def _with_metrics(config: RunShape) -> bool:
     return config.metrics.enabled
+
+
+def _with_agent(config: RunShape) -> bool:
+    return config.agent is not None
 
 
 def _one(config: RunShape) -> int:
@@ -120,6 +131,9 @@ class RoleDef:
     scalable: str = ""
     """What several processes of the role do, when `relax run` may start several (`roles.<name>` in the run
     config, one by default); empty: the role runs as one process."""
+    count_needs_role: bool = False
+    """A process count (`roles.<name>`) other than the default is refused in a run without the role (`why_absent`
+    says why): counting servers of a run that cannot have them is a mistake, not a setting to keep for later."""
     ranks: Callable[[RunShape], int] = _one
     """Processes per instance: above 1, `relax run` starts the role under torchrun with that many ranks."""
     nodes: Callable[[RunShape], int] = _one
@@ -151,6 +165,25 @@ class RoleDef:
         return fn
 
 
+SANDBOX_COMPOSE = (
+    "# Code-executing rewards run in the reward sandbox's own namespaces (docs/sandbox.md): the engine's\n"
+    "# default seccomp profile plus unshare, mount, umount2 and pivot_root, and no AppArmor profile (the\n"
+    "# engines' default one denies mount). Without them such rewards are refused at start.\n"
+    "security_opt:\n"
+    "  - seccomp=./deploy/seccomp/reward-sandbox.json\n"
+    "  - apparmor=unconfined\n"
+    "  - no-new-privileges:true"
+)
+"""The compose settings of a role that runs code in the reward sandbox (the reward role; the env role's python
+tool)."""
+SANDBOX_K8S = (
+    "securityContext:\n"
+    "  seccompProfile:                 # code-executing rewards need their sandbox's namespaces\n"
+    "    type: Localhost\n"
+    "    localhostProfile: relax/reward-sandbox.json"
+)
+"""The Kubernetes container settings of such a role."""
+
 ROLES: tuple[RoleDef, ...] = (
     RoleDef(
         "feeder",
@@ -179,7 +212,7 @@ ROLES: tuple[RoleDef, ...] = (
         "rollout",
         input="prompts",
         output=lambda c: "rollouts",
-        grants=dict(reads_weights=True, watches_version=True, records_episodes=True),
+        grants=dict(reads_weights=True, watches_version=True, calls_env=True, records_episodes=True),
         module="workers.roles.rollout",
         deploy=RoleDeploy(
             compose_extra="deploy:\n  mode: replicated\n  replicas: 2",
@@ -200,28 +233,14 @@ ROLES: tuple[RoleDef, ...] = (
         grants=dict(state_keys=(GROUPS_FILTERED,)),  # dynamic sampling's filtered set
         module="workers.roles.reward",
         deploy=RoleDeploy(
-            compose_extra=(
-                "deploy:\n  mode: replicated\n  replicas: 2\n"
-                "# Code-executing rewards run in the reward sandbox's own namespaces (docs/sandbox.md): the engine's\n"
-                "# default seccomp profile plus unshare, mount, umount2 and pivot_root, and no AppArmor profile (the\n"
-                "# engines' default one denies mount). Without them such rewards are refused at start.\n"
-                "security_opt:\n"
-                "  - seccomp=./deploy/seccomp/reward-sandbox.json\n"
-                "  - apparmor=unconfined\n"
-                "  - no-new-privileges:true"
-            ),
+            compose_extra="deploy:\n  mode: replicated\n  replicas: 2\n" + SANDBOX_COMPOSE,
             k8s_about=(
                 "Scores rollouts (durable consumer `reward` of RELAX_<run>_ROLLOUTS). Stateless; KEDA scales it.\n"
                 "Its seccomp profile is RuntimeDefault plus what the reward sandbox needs: deploy/seccomp/\n"
                 "reward-sandbox.json must be on every node that runs it, as <kubelet root>/seccomp/relax/\n"
                 "reward-sandbox.json (docs/sandbox.md); without it the pod does not start."
             ),
-            k8s_container=(
-                "securityContext:\n"
-                "  seccompProfile:                 # code-executing rewards need their sandbox's namespaces\n"
-                "    type: Localhost\n"
-                "    localhostProfile: relax/reward-sandbox.json"
-            ),
+            k8s_container=SANDBOX_K8S,
         ),
         torch_threads=False,
         scalable="Reward (scoring) processes; they share the durable of the rollouts hop.",
@@ -328,6 +347,34 @@ ROLES: tuple[RoleDef, ...] = (
         enabled=_with_metrics,
         why_absent="metrics.enabled is false",
         torch_threads=False,
+    ),
+    RoleDef(
+        "env",
+        input=None,
+        output=lambda c: None,
+        grants=dict(serves_env=True, reaps=False),
+        module="workers.roles.env",
+        deploy=RoleDeploy(
+            compose_about=(
+                "Environment servers of agentic runs (runs with an `agent` section; examples/compose.yaml has none,\n"
+                "and an env worker of a run without one exits with an error): docker compose --profile env up -d"
+            ),
+            compose_extra='profiles: ["env"]\n' + SANDBOX_COMPOSE,
+            k8s_about=(
+                "Environment servers of agentic runs: a NATS service (`relax-env`) whose instances share the run's\n"
+                "reset queue group; no stream. An env worker of a run without an `agent` section exits with an\n"
+                "error: scale it up only where the run has one. The python tool runs the reward sandbox, hence the\n"
+                "seccomp profile of the reward role (deploy/seccomp/reward-sandbox.json on every node,\n"
+                "docs/sandbox.md)."
+            ),
+            k8s_spec="replicas: 0                       # only runs with an agent section have one (the demo has none)",
+            k8s_container=SANDBOX_K8S,
+        ),
+        enabled=_with_agent,
+        why_absent="the run has no agent section",
+        count_needs_role=True,
+        torch_threads=False,
+        scalable="Environment server processes; they share the reset queue group.",
     ),
 )
 ROLE_NAMES = tuple(r.name for r in ROLES)

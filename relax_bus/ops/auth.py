@@ -9,7 +9,13 @@ messages back (by sequence) from each stream it publishes to: a publish answered
 checked against the copy stored under its id. Two users exist besides the roles:
 
     admin      every JetStream call on the run's streams, consumers, buckets and stores
-    observer   read-only: stream and consumer info, KV, dead letters, events (`relax inspect`)
+    observer   read-only: stream and consumer info, KV, dead letters, events, the environment servers' figures
+               (`relax inspect`)
+
+An environment server (`Grants.serves_env`) is the exception to the rule above: it touches no stream. It joins
+the run's environment queue group, answers the service's discovery requests, and publishes only its replies
+(nats-server's `allow_responses`: one reply per request received) and its heartbeats. A role that
+`calls_env` may send it requests; no other role may touch the environment subjects.
 
 Only the admin creates, updates or deletes streams and consumers. No other user may create a consumer of any
 kind: a push consumer delivers to whatever subject its creator names, API and advisory subjects included,
@@ -38,6 +44,9 @@ class Permissions:
 
     publish: tuple[str, ...]
     subscribe: tuple[str, ...]
+    """Subjects, each optionally followed by a space and the only queue group it may be joined in."""
+    allow_responses: bool = False
+    """May also publish one reply to each request it received (to the request's reply subject), wherever that is."""
 
 
 def user_name(run: str, role: str) -> str:
@@ -66,6 +75,8 @@ def permissions(topology: Topology, role: str) -> Permissions:
     r = t.role(role)
     g = r.grants
     state, workers = t.bucket("state"), t.bucket("workers")
+    if g.serves_env:
+        return _env_server(t, role, inbox)
     media, weights, checkpoints = (t.object_store(k) for k in ("media", "weights", "checkpoints"))
     outputs = [*([r.output] if r.output else []), *g.publishes, "dlq", "events"]
     pub = [
@@ -108,7 +119,18 @@ def permissions(topology: Topology, role: str) -> Permissions:
         pub += [*_reads_kv(episodes), f"$KV.{episodes}.>"]
     if g.observes:
         pub += _infos(t)
+    if g.calls_env:
+        pub += t.env.endpoints()
     return Permissions(tuple(dict.fromkeys(pub)), tuple(dict.fromkeys(sub)))
+
+
+def _env_server(t: Topology, role: str, inbox: str) -> Permissions:
+    """An environment server: the run config and its heartbeats; the endpoints, only in the run's queue group (a
+    plain subscription would copy another server's requests); the service's discovery; replies, nothing else."""
+    state, workers = t.bucket("state"), t.bucket("workers")
+    pub = [*_reads_kv(state), *_reads_kv(workers), f"$KV.{workers}.{role}.>"]
+    sub = [inbox, *(f"{subject} {t.env.queue}" for subject in t.env.endpoints()), *t.env.discovery()]
+    return Permissions(tuple(pub), tuple(sub), allow_responses=True)
 
 
 def _reads_kv(bucket: str) -> list[str]:
@@ -158,7 +180,7 @@ def _infos(t: Topology) -> list[str]:
 
 def _observer(t: Topology, inbox: str) -> Permissions:
     """Look, never touch: what `relax inspect` reads, plus following the events and dead letters."""
-    pub = _infos(t)
+    pub = [*_infos(t), t.env.stats]
     for b in t.buckets:
         pub += _reads_kv(b.name)
     for key in ("dlq", "events"):

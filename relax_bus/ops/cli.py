@@ -237,7 +237,7 @@ async def _inspect(args: argparse.Namespace, config_model: type[RunConfig]) -> i
 
     nc = await connect(connection_settings(args), name="relax-inspect")
     try:
-        info = await gather(nc.jetstream(timeout=10.0), args.run)
+        info = await gather(nc.jetstream(timeout=10.0), args.run, nc)
     finally:
         await nc.close()
     print(json.dumps(info, indent=2) if args.json else render(info))

@@ -134,7 +134,9 @@ def auth_conf(
         blocks.append(
             f"      {{ # {role}\n        {login}\n        permissions: {{\n"
             f"          publish: {{ allow: {_list(p.publish, '          ')} }}\n"
-            f"          subscribe: {{ allow: {_list(p.subscribe, '          ')} }}\n        }}\n      }}"
+            f"          subscribe: {{ allow: {_list(p.subscribe, '          ')} }}\n"
+            + ("          allow_responses: true\n" if p.allow_responses else "")
+            + "        }\n      }"
         )
     limits = limits or JetStreamLimits.for_run(topology)
     return (

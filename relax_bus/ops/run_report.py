@@ -7,21 +7,72 @@ import json
 import time
 from typing import Any
 
+import nats.errors
 import nats.js.errors
+from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from relax_bus.heartbeat import live_workers
 from relax_bus.kv_keys import kv_keys
 from relax_bus.provision import CONFIG_KEY, read_config, state_kv
 from relax_bus.staleness import POLICY_VERSION
-from relax_bus.topology import build_topology
+from relax_bus.topology import build_topology, env_subjects
 from schemas import DeadLetter, decode
 
 DLQ_SAMPLE = 200
+ENV_STATS_WAIT_S = 0.5
+"""How long `relax inspect` collects the environment servers' replies to `$SRV.STATS`."""
 
 
-async def gather(js: JetStreamContext, run: str) -> dict[str, Any]:
-    """Collect streams, consumers, KV state, live workers, stores and a dead-letter summary."""
+async def env_instances(nc: NATS, run: str, wait_s: float = ENV_STATS_WAIT_S) -> list[dict[str, Any]]:
+    """The run's environment server instances as their `$SRV.STATS` replies say within `wait_s`: instance,
+    environment, service id, and per endpoint its requests, errors and average latency. Another run's servers (a server
+    shared without per-run accounts) and replies that are not stats are left out."""
+    subjects = env_subjects(run)
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    found = []
+    try:
+        await nc.publish(subjects.stats, b"", reply=inbox)
+        deadline = time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                msg = await sub.next_msg(timeout=left)
+            except (TimeoutError, nats.errors.TimeoutError):
+                break
+            try:
+                stats = json.loads(msg.data)
+                meta = stats.get("metadata") or {}
+                if meta.get("run") != run:
+                    continue
+                endpoints = {
+                    e["name"]: {
+                        "requests": int(e["num_requests"]),
+                        "errors": int(e["num_errors"]),
+                        "average_ms": round(int(e["average_processing_time"]) / 1e6, 3),
+                        "last_error": e.get("last_error") or "",
+                    }
+                    for e in stats.get("endpoints") or []
+                }
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # tolerated: a reply that is not a service's stats says nothing about the run
+            found.append(
+                {
+                    "instance": meta.get("instance", ""),
+                    "environment": meta.get("environment", ""),
+                    "id": stats.get("id", ""),
+                    "name": stats.get("name", ""),
+                    "endpoints": endpoints,
+                }
+            )
+    finally:
+        await sub.unsubscribe()
+    return sorted(found, key=lambda i: str(i["instance"]))
+
+
+async def gather(js: JetStreamContext, run: str, nc: NATS | None = None) -> dict[str, Any]:
+    """Collect streams, consumers, KV state, live workers, stores and a dead-letter summary; with `nc`, the
+    environment servers' figures too (`env_instances`)."""
     config = await read_config(js, run)
     assert config is not None
     t = build_topology(config)
@@ -93,6 +144,7 @@ async def gather(js: JetStreamContext, run: str) -> dict[str, Any]:
         "workers": workers,
         "object_stores": stores,
         "dlq": await _dlq_summary(js, t.stream("dlq").name),
+        "environments": await env_instances(nc, run) if nc is not None else [],
     }
 
 
@@ -125,6 +177,28 @@ async def _dlq_summary(js: JetStreamContext, stream: str) -> dict[str, Any]:
         "reasons": [{"reason": r, "count": n} for r, n in reasons.most_common(10)],
         "recent": recent[-5:],
     }
+
+
+def _env_section(instances: list[dict[str, Any]]) -> list[str]:
+    out = ["", f"environment servers ({len(instances)})"]
+    if not instances:
+        return [*out, "  (none answered $SRV.STATS)"]
+    rows = [["instance", "environment", "service id", "resets", "steps", "errors", "avg step"]]
+    for i in instances:
+        ends = i["endpoints"]
+        step = ends.get("step", {})
+        rows.append(
+            [
+                i["instance"],
+                i["environment"],
+                i["id"],
+                str(ends.get("reset", {}).get("requests", 0)),
+                str(step.get("requests", 0)),
+                str(sum(e["errors"] for e in ends.values())),
+                f"{step.get('average_ms', 0):.1f} ms",
+            ]
+        )
+    return out + _table(rows)
 
 
 def _reason_class(reason: str) -> str:
@@ -206,6 +280,8 @@ def render(info: dict[str, Any]) -> str:
         f"  {o['key']:8} {o['name']}  {'MISSING' if o.get('missing') else _size(o['bytes'])}"
         for o in info["object_stores"]
     ]
+    if info.get("environments") or cfg.get("agent"):
+        out += _env_section(info.get("environments", []))
     dlq = info["dlq"]
     out += ["", f"dead letters: {dlq['count']}"]
     out += [f"  {r['count']:5}  {r['reason']}" for r in dlq["reasons"]]

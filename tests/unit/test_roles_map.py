@@ -16,7 +16,7 @@ def problems_of(roles) -> list[str]:
 
 def test_counts_default_to_one_and_the_registry_reads_them():
     config = parse_config({"run": "r", "roles": {"rollout": 3}, "trainer": {"kl": {"coef": 0.1}}})
-    assert config.model_dump()["roles"] == {"rollout": 3, "reward": 1, "reference": 1}
+    assert config.model_dump()["roles"] == {"rollout": 3, "reward": 1, "reference": 1, "env": 1}
     assert {r.name: r.processes(config) for r in ROLES} == {
         "feeder": 1,
         "rollout": 3,
@@ -24,16 +24,18 @@ def test_counts_default_to_one_and_the_registry_reads_them():
         "reference": 1,
         "actor": 1,
         "metrics": 1,
+        "env": 1,
     }
-    assert set(SCALABLE_ROLES) == {"rollout", "reward", "reference"}
+    assert set(SCALABLE_ROLES) == {"rollout", "reward", "reference", "env"}
 
 
 def test_unknown_and_single_process_roles_are_refused_each_on_one_line():
     problems = problems_of({"rollouts": 2, "actor": 2, "feeder": 1, "reward": 2})
     assert problems == [
-        "roles.rollouts: unknown role 'rollouts' (roles with a process count: rollout, reward, reference) (got 2)",
-        "roles.actor: the actor role runs as one process: only rollout, reward, reference take a process count (got 2)",
-        "roles.feeder: the feeder role runs as one process: only rollout, reward, reference take a process count "
+        "roles.rollouts: unknown role 'rollouts' (roles with a process count: rollout, reward, reference, env) (got 2)",
+        "roles.actor: the actor role runs as one process: only rollout, reward, reference, env take a process count "
+        "(got 2)",
+        "roles.feeder: the feeder role runs as one process: only rollout, reward, reference, env take a process count "
         "(got 1)",
     ]
 
@@ -52,3 +54,17 @@ def test_a_dotted_override_sets_one_count(tmp_path):
 
 def test_every_scalable_role_count_is_tunable():
     assert {f"roles.{name}" for name in SCALABLE_ROLES} <= PipelineConfig.tunable
+
+
+AGENT = {"env": {"type": "calculator"}}
+
+
+def test_env_servers_are_counted_only_in_a_run_with_an_agent_section():
+    config = parse_config({"run": "r", "roles": {"env": 2}, "agent": AGENT})
+    assert config.roles.count("env") == 2 and role_def("env").processes(config) == 2
+    assert [r.name for r in config.chain][-1] == "env"
+    (problem,) = problems_of({"env": 2})
+    assert "roles.env is 2 but the run has no env role (the run has no agent section): leave roles.env out" in problem
+    plain = parse_config({"run": "r"})
+    assert "env" not in [r.name for r in plain.chain]
+    assert parse_config(plain.model_dump()).roles.count("env") == 1, "a dumped config (env: 1) reads back"

@@ -60,6 +60,12 @@ NOT_ROLES = {
     ("schemas/messages.py", "rollout"),  # the stage named in a rollout group's publish id
     ("workers/cli.py", "metrics"),  # the summary's metrics.jsonl path, not the role
     ("workers/launch/launcher.py", "metrics"),
+    ("workers/cli.py", "env"),  # the `relax env` command
+    ("workers/config/agent.py", "env"),  # agent.reward: the environment's step rewards
+    ("workers/launch/grant_table.py", "env"),  # the agent section's `env` key
+    ("relax_bus/topology.py", "env"),  # the environment servers' queue group
+    ("workers/envs/client.py", "reward"),  # a step reply's field
+    ("workers/envs/service.py", "reward"),
 }
 
 

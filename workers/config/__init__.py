@@ -278,6 +278,19 @@ class PipelineConfig(RunConfig):
         return self
 
     @model_validator(mode="after")
+    def _counts_of_absent_roles(self) -> PipelineConfig:
+        # A dumped config names every count (1 included), so only another count says the user meant one.
+        problems = [
+            f"roles.{r.name} is {self.roles.count(r.name)} but the run has no {r.name} role ({r.why_absent}): "
+            f"leave roles.{r.name} out"
+            for r in ROLES
+            if r.count_needs_role and not r.enabled(self) and self.roles.count(r.name) != 1
+        ]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
     def _fill_chain(self) -> PipelineConfig:
         chain = chain_of(self)
         if self.chain and self.chain != chain:

@@ -3,9 +3,10 @@
     python -m workers.launch.grant_table            # rewrite the table in docs/security.md
     python -m workers.launch.grant_table --check    # exit 1 when the committed table differs (a test runs it)
 
-Every user of a run that has every role of the registry (a reference role: `trainer.kl.coef > 0`) and its
-allow-lists exactly as `relax_bus.ops.auth.permissions` gives them to nats-server, with the run's name shown as
-`<run>`. Only the text between `<!-- >>> generated: grants -->` and `<!-- <<< generated: grants -->` is written.
+Every user of a run that has every role of the registry (a reference role: `trainer.kl.coef > 0`; an env role: an
+`agent` section) and its allow-lists exactly as `relax_bus.ops.auth.permissions` gives them to nats-server, with
+the run's name shown as `<run>`. Only the text between `<!-- >>> generated: grants -->` and
+`<!-- <<< generated: grants -->` is written.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ def _subjects(subjects: tuple[str, ...]) -> str:
 
 def table() -> list[str]:
     """The table's lines: what every role user may do, then one row per user with what it adds."""
-    config = parse_config({"run": RUN, "trainer": {"kl": {"coef": 0.1}}})
+    config = parse_config({"run": RUN, "trainer": {"kl": {"coef": 0.1}}, "agent": {"env": {"type": "calculator"}}})
     topology = build_topology(config)
     grants = {user: permissions(topology, user) for user in users(topology)}
-    roles = [r.name for r in topology.roles]
+    roles = [r.name for r in topology.roles if not r.grants.serves_env]  # an environment server shares none of it
     common_pub = [s for s in grants[roles[0]].publish if all(s in grants[r].publish for r in roles)]
     common_sub = [s for s in grants[roles[0]].subscribe if all(s in grants[r].subscribe for r in roles)]
     lines = [
@@ -51,7 +52,8 @@ def table() -> list[str]:
             sub = tuple(s for s in p.subscribe if s not in common_sub)
             lines.append(f"| `<run>-{user}` | the above, and {_subjects(pub)} | {_subjects(sub)} |")
         else:
-            lines.append(f"| `<run>-{user}` | {_subjects(p.publish)} | {_subjects(p.subscribe)} |")
+            replies = "<br>replies to the requests it receives (`allow_responses`)" if p.allow_responses else ""
+            lines.append(f"| `<run>-{user}` | {_subjects(p.publish)}{replies} | {_subjects(p.subscribe)} |")
     return lines
 
 
