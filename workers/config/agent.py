@@ -38,6 +38,10 @@ class AgentConfig(Section):
     env_retries: int = Field(default=2, ge=0, le=10)
     """Times a lost environment instance is replaced (a deterministic environment's episode is replayed on
     another instance from its recorded actions) before the episode ends `env_lost`."""
+    episodes_per_server: int = Field(default=1024, ge=1, le=1_000_000)
+    """Episodes one environment server process holds at once; a further reset goes to another server (a rollout
+    worker keeps `rollout.batch_groups x samples_per_group` episodes in flight: give the env role enough
+    processes, `roles: {env: N}`, that N x this covers every rollout worker's)."""
     max_observation_chars: int = Field(default=512, ge=1)
     """Observations longer than this are cut (and flagged in the turn's info)."""
     reward: Literal["rule", "env", "sum"] = "rule"

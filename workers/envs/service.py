@@ -68,7 +68,7 @@ class ServerLimits:
     """Longest one environment call (construct and reset, or step) may take before the episode fails."""
     idle_ttl_s: float = 600.0
     """An episode without a request for this long is dropped (its client died or forgot it)."""
-    max_episodes: int = 64
+    max_episodes: int = 1024
     """Episodes held at once; a reset beyond them is refused (`503`), for another instance to take."""
 
 

@@ -28,7 +28,7 @@ async def serve(ctx: RoleContext) -> None:
     assert agent is not None, "the role registry puts the env role only in runs with an agent section"
     instance = new_instance_id()
     loop = Loop(bus, ctx.role, WorkerOptions(worker_id=instance))
-    limits = ServerLimits(call_timeout_s=agent.step_timeout_s * CALL_SHARE)
+    limits = ServerLimits(call_timeout_s=agent.step_timeout_s * CALL_SHARE, max_episodes=agent.episodes_per_server)
     server = await serve_env(bus.nc, bus.topology, agent.env.type, agent.env.options, limits=limits, instance=instance)
     loop.counts = server.counts  # the heartbeat reports the server's own counts
     try:

@@ -201,6 +201,8 @@ class PolicyTrainer:
             mb, logp = self.forward.logprobs(batch, rows)
             logp_old = logp.detach() if old is None else old[torch.tensor(rows), : logp.shape[1]].to(self.device)
             loss, metrics = self._loss(mb, logp, logp_old, adv[torch.tensor(rows)].to(self.device), normalizer)
+            if not loss.requires_grad:  # no trained token in it (episodes that ended before a policy turn)
+                loss = loss + 0.0 * logp.sum()  # a zero gradient, and every rank's backward all the same
             (loss * self.ranks.loss_scale).backward()  # FSDP2 averages gradients over ranks
             sums.add(loss, metrics, float(mb.mask.sum()))
         self.ranks.empty_passes(self.model, plan.padding, backward=True)
