@@ -212,3 +212,34 @@ def test_overlong_penalty_is_zero_then_linear_then_full():
 def test_overlong_window_must_fit():
     with pytest.raises(ValueError, match=r"overlong window \(5\) must be in 1..max_tokens \(4\)"):
         overlong_penalty(torch.zeros(1, 1), max_tokens=4, window=5)
+
+
+# ---------------------------------------------------------------- samples without a reward
+
+
+@pytest.mark.parametrize("mode", sorted(ADVANTAGE_ESTIMATORS))
+@pytest.mark.parametrize("whitened", [False, True])
+def test_an_invalid_sample_is_left_out_as_if_never_sampled(mode: str, whitened: bool) -> None:
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 7.0], [0.5, 0.0, 1.0, 1.0], [0.0, 0.0, 9.0, 1.0]])  # [3, 4]
+    valid = torch.tensor([[True, True, True, False], [True, True, True, True], [True, True, False, True]])
+    got = group_advantages(rewards, mode, whitened=whitened, valid=valid)
+    assert (got[~valid] == 0).all()
+    if mode in ("grpo", "drgrpo", "rloo") and not whitened:  # per group: the group without its invalid sample
+        for g in range(3):
+            alone = group_advantages(rewards[g, valid[g]].unsqueeze(0), mode)
+            torch.testing.assert_close(got[g, valid[g]], alone.squeeze(0))
+    # The invalid rewards (7 and 9 here) do not move any valid sample's advantage.
+    changed = rewards.clone()
+    changed[~valid] = -100.0
+    torch.testing.assert_close(group_advantages(changed, mode, whitened=whitened, valid=valid), got)
+    # ... while without the mask they do (the test can fail).
+    assert not torch.allclose(
+        group_advantages(changed, mode, whitened=whitened), group_advantages(rewards, mode, whitened=whitened)
+    )
+
+
+def test_all_valid_is_the_plain_estimator_and_none_valid_is_all_zero() -> None:
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    everything = torch.ones_like(rewards, dtype=torch.bool)
+    torch.testing.assert_close(group_advantages(rewards, "grpo", valid=everything), group_advantages(rewards, "grpo"))
+    assert (group_advantages(rewards, "grpo", valid=~everything) == 0).all()

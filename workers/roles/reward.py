@@ -157,8 +157,11 @@ def _score_episode(
 ) -> tuple[float, dict[str, float], str | None]:
     """(reward, components, error) of an episode: its final answer through the run's rewards (`rule`), the
     environment's summed step rewards (`env`), or both (`sum`). An episode that did not answer scores its rule
-    terms on an empty answer with finish reason `length`."""
+    terms on an empty answer with finish reason `length`; one whose environment failed has no reward (an error:
+    the trainer leaves it out)."""
     assert sample.episode is not None
+    if sample.episode.ended in ("env_error", "env_lost"):  # no reward exists: excluded from training, counted
+        return 0.0, {}, f"the episode's environment failed ({sample.episode.ended})"
     env = sample.episode.env_reward or 0.0
     if how == "env":
         return env, {"env": env}, None

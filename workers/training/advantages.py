@@ -152,15 +152,22 @@ def whiten(advantages: Tensor, eps: float = 1e-6) -> Tensor:
     return (advantages - advantages.mean()) / (_batch_std(advantages) + eps)
 
 
-def group_advantages(rewards: Tensor, mode: str = "grpo", eps: float = 1e-6, whitened: bool = False) -> Tensor:
+def group_advantages(
+    rewards: Tensor, mode: str = "grpo", eps: float = 1e-6, whitened: bool = False, valid: Tensor | None = None
+) -> Tensor:
     """Advantages of every response by the estimator named `mode`, optionally whitened over the batch.
 
     rewards: [groups, samples] -> advantages [groups, samples]. See the module docstring for the formulas.
+    `valid` [groups, samples] bool marks the responses whose reward exists (a reward function or an episode's
+    environment that failed has none): the others get advantage 0 and every statistic is taken as if they were
+    not sampled (`excluding`).
     """
     try:
         estimator = ADVANTAGE_ESTIMATORS[mode]
     except KeyError:
         raise ValueError(f"unknown advantage mode {mode!r}; valid: {sorted(ADVANTAGE_ESTIMATORS)}") from None
+    if valid is not None and not bool(valid.all()):
+        return excluding(_floating(rewards), valid, mode, eps, whitened)
     advantages = estimator(rewards, eps)  # [groups, samples]
     if not whitened:
         return advantages
@@ -170,6 +177,42 @@ def group_advantages(rewards: Tensor, mode: str = "grpo", eps: float = 1e-6, whi
     if mode in _GROUP_BASELINED:
         out = torch.where(_flat_groups(_floating(rewards)), torch.zeros_like(out), out)
     return out
+
+
+def excluding(rewards: Tensor, valid: Tensor, mode: str, eps: float, whitened: bool) -> Tensor:
+    """Advantages with the invalid responses left out: each group's estimator over its valid responses only (a group
+    of k valid ones is a group of k), batch statistics over the valid responses of the batch; 0 where invalid.
+
+    rewards, valid: [groups, samples] -> advantages [groups, samples].
+    """
+    out = torch.zeros_like(rewards)  # [groups, samples]
+    if not bool(valid.any()):
+        return out
+    if mode == "reinforce_pp":  # batch statistics only: the valid responses as one group
+        out[valid] = reinforce_pp_advantages(rewards[valid].unsqueeze(0), eps).squeeze(0)
+    else:
+        group_mode = "drgrpo" if mode == "reinforce_pp_baseline" else mode
+        for g in range(rewards.shape[0]):
+            keep = valid[g]
+            if bool(keep.any()):
+                out[g, keep] = group_advantages(rewards[g, keep].unsqueeze(0), group_mode, eps).squeeze(0)
+        if mode == "reinforce_pp_baseline":  # centred per group, scaled by the batch std of the centred values
+            out[valid] = out[valid] / (_batch_std(out[valid].unsqueeze(0)) + eps)
+    if whitened and not bool((out[valid] == 0).all()):
+        white = whiten(out[valid].unsqueeze(0), eps).squeeze(0)
+        if mode in _GROUP_BASELINED:  # all-equal groups keep their exact zeros
+            white = torch.where(_flat_valid(rewards, valid)[valid], torch.zeros_like(white), white)
+        out[valid] = white
+    return out
+
+
+def _flat_valid(rewards: Tensor, valid: Tensor) -> Tensor:
+    """[groups, samples] bool: the responses of groups whose valid rewards are all equal."""
+    flat = torch.zeros_like(valid)
+    for g in range(rewards.shape[0]):
+        kept = rewards[g, valid[g]]
+        flat[g] = bool((kept == kept[0]).all()) if kept.numel() else True
+    return flat
 
 
 def overlong_penalty(response_lengths: Tensor, max_tokens: int, window: int, penalty: float = 1.0) -> Tensor:

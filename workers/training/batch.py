@@ -34,6 +34,8 @@ class Batch:
     group_of: tuple[int, ...]  # [N] the group (prompt) each row answers, 0..B-1
     routing: tuple[torch.Tensor, ...] = ()  # [N] x [len - 1, layers, k]: the rollout's routed experts (R3), or ()
     media: tuple[MediaInputs | None, ...] = ()  # [B] the processor tensors of each group's prompt, or ()
+    valid: torch.Tensor | None = None  # [B, n] bool: False where the sample has no reward (its reward failed, or its
+    # episode's environment); such a row's mask is all 0 and its advantage 0. None: all valid
 
     def rows(self, rows: Sequence[int], device: torch.device) -> Batch:
         """The rows `rows` cut to their longest sequence, on `device` (rewards stay whole, on the CPU)."""
@@ -55,17 +57,20 @@ class Batch:
             group_of=tuple(self.group_of[r] for r in rows),
             routing=tuple(self.routing[r] for r in rows) if self.routing else (),
             media=self.media,
+            valid=self.valid,
         )
 
 
 def make_batch(groups: Sequence[TrainGroup], media: Sequence[MediaInputs | None] = ()) -> Batch:
     """Pack B train groups of n samples each into padded tensors (with each group's media tensors, if given)."""
     rows: list[tuple[list[int], list[int], list[float], list[float] | None]] = []
-    rewards, group_of, routing, trained = [], [], [], []
+    rewards, group_of, routing, trained, valid = [], [], [], [], []
     for index, g in enumerate(groups):
         rollout = g.scored.rollout
         prompt = list(rollout.prompt_token_ids.to_values())
         rewards.append(list(g.scored.rewards))
+        details = g.scored.details or tuple(None for _ in rollout.samples)
+        valid.append([d is None or d.error is None for d in details])
         for i, s in enumerate(rollout.samples):
             routing.append(s.routed_experts)
             trained.append(s.trained() if s.loss_mask is not None else None)
@@ -89,6 +94,8 @@ def make_batch(groups: Sequence[TrainGroup], media: Sequence[MediaInputs | None]
         rollout_logp[row, p - 1 : p - 1 + r] = torch.tensor(lps)
         if ref_logp is not None and ref is not None:
             ref_logp[row, p - 1 : p - 1 + r] = torch.tensor(ref)
+    valid_rows = torch.tensor(valid, dtype=torch.bool)  # [B, n]
+    mask *= valid_rows.reshape(-1, 1)  # a sample without a reward trains nothing
     return Batch(
         ids,
         attention,
@@ -101,6 +108,7 @@ def make_batch(groups: Sequence[TrainGroup], media: Sequence[MediaInputs | None]
         tuple(group_of),
         routed_rows(routing),
         tuple(media) or tuple(None for _ in groups),
+        None if bool(valid_rows.all()) else valid_rows,
     )
 
 

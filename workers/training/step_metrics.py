@@ -70,11 +70,14 @@ class StepSums:
 
 
 def batch_metrics(batch: Batch) -> dict[str, float]:
-    """The step's rewards (mean, population std; before shaping) and response tokens."""
+    """The step's rewards (mean, population std over the samples that have one; before shaping), response tokens
+    and samples left out for want of a reward (`samples_excluded`)."""
+    rewards = batch.rewards if batch.valid is None else batch.rewards[batch.valid]
     return {
-        "reward_mean": float(batch.rewards.mean()),
-        "reward_std": float(batch.rewards.std(unbiased=False)),
+        "reward_mean": float(rewards.mean()) if rewards.numel() else float("nan"),
+        "reward_std": float(rewards.std(unbiased=False)) if rewards.numel() else float("nan"),
         "response_tokens": float(batch.mask.sum()),
+        "samples_excluded": 0.0 if batch.valid is None else float((~batch.valid).sum()),
     }
 
 

@@ -150,7 +150,7 @@ class PolicyTrainer:
         batch, masked = stale_masked(groups, make_batch(groups, media), version, self.config.staleness)
         rewards, shaping = shaped_rewards(batch, self.cfg.overlong)  # [B, n]
         estimator = self.cfg.advantage
-        adv = group_advantages(rewards, estimator.type, estimator.eps, estimator.whiten).reshape(-1)  # [N]
+        adv = group_advantages(rewards, estimator.type, estimator.eps, estimator.whiten, batch.valid).reshape(-1)  # [N]
         plans = [self._plan(batch, rows) for rows in split_even(batch.ids.shape[0], self.cfg.mini_batches)]
         self.forward.begin_step()
         updates = self.cfg.updates_per_step
