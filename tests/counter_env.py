@@ -40,6 +40,17 @@ class Counter:
         return StepResult(f"{self.turn}:{action}:{self.total}", reward=float(self.turn), done=action == "stop")
 
 
+class ClosingCounter(Counter):
+    """A counter that records its `close()` (an environment holding something, e.g. a sandbox)."""
+
+    name: ClassVar[str] = "closing_counter"
+    closed: ClassVar[list[int]] = []
+    """The `start` of every instance closed, in order."""
+
+    def close(self) -> None:
+        self.closed.append(self.start)
+
+
 class NoisyCounter(Counter):
     """A counter that says it cannot be replayed."""
 

@@ -16,7 +16,7 @@ from relax_bus.connection import connect
 from relax_bus.heartbeat import live_workers
 from relax_bus.ops.run_report import env_instances
 from relax_bus.settings import ConnectionSettings
-from tests.counter_env import Counter, expected
+from tests.counter_env import ClosingCounter, Counter, expected
 from tests.waiting import until
 from workers.envs.base import EnvItem
 from workers.envs.client import EnvClient
@@ -254,3 +254,17 @@ async def test_the_env_role_serves_the_runs_agent_env_until_stopped(make_bus, se
     assert await live_workers(bus.workers) == [], "its heartbeat is removed when it stops"
     with pytest.raises(EnvLost):
         await session.step("c")
+
+
+async def test_an_environment_is_closed_when_its_episode_ends(serve, conns, run):
+    ClosingCounter.closed.clear()
+    server = await serve("tests.counter_env:ClosingCounter", {"start": 7})
+    client = EnvClient(await conns(), run, timeout_s=2.0, retries=0)
+    done = await client.open(EnvItem(episode="e-done", prompt="p"))
+    await done.step("stop")  # done: the server forgets it and closes its environment
+    closed = await client.open(EnvItem(episode="e-closed", prompt="p"))
+    await closed.close()
+    await client.open(EnvItem(episode="e-held", prompt="p"))
+    await until(lambda: list(ClosingCounter.closed), lambda c: len(c) == 2, timeout_s=5, what="two closed")
+    await server.stop()  # what it still held is closed too
+    assert ClosingCounter.closed == [7, 7, 7]

@@ -180,7 +180,8 @@ class EnvServer:
             _, late = await asyncio.wait(set(self._tasks), timeout=STOP_GRACE_S)
             for task in late:
                 await cancel_and_wait(task)
-        self.episodes.clear()
+        for episode in list(self.episodes):
+            self._drop(episode)
         log.info("env_stopped", instance=self.instance, **self.counts)
 
     # ------------------------------------------------------------ requests
@@ -247,7 +248,7 @@ class EnvServer:
             item = EnvItem(**raw)
         except TypeError as err:
             raise ServiceError(BAD_REQUEST, f"bad request: item: {one_line(err)}") from None
-        self.episodes.pop(episode, None)  # a replay of an episode this instance held: start it over
+        self._drop(episode)  # a replay of an episode this instance held: start it over
         self._evict(time.monotonic() - self.limits.idle_ttl_s)
         if len(self.episodes) + self._opening >= self.limits.max_episodes:
             raise ServiceError(FULL, f"instance {self.instance} is full ({self.limits.max_episodes} episodes)")
@@ -279,17 +280,30 @@ class EnvServer:
                 if not isinstance(result, StepResult):
                     raise TypeError(f"step returned {type(result).__name__}, not StepResult")
             except BaseException:
-                self.episodes.pop(episode, None)  # its state is unknown now: the episode ends here
+                self._drop(episode)  # its state is unknown now: the episode ends here
                 raise
             held.used_at = time.monotonic()
         self.counts["steps"] += 1
         if result.done:
-            self.episodes.pop(episode, None)
+            self._drop(episode)
         return {"observation": result.observation, "reward": result.reward, "done": result.done, "info": result.info}
 
     async def _close(self, body: dict[str, Any]) -> dict[str, Any]:
-        closed = self.episodes.pop(_text(body, "episode"), None) is not None
-        return {"closed": closed}
+        return {"closed": self._drop(_text(body, "episode"))}
+
+    def _drop(self, episode: str) -> bool:
+        """Forget an episode and close its environment (an environment with a `close()`, e.g. the python tool's
+        sandbox, releases what it holds); whether it was held."""
+        held = self.episodes.pop(episode, None)
+        if held is None:
+            return False
+        close = getattr(held.env, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception as err:  # tolerated: the episode is over either way
+                log.warning("env_close_failed", instance=self.instance, episode=episode, error=one_line(err))
+        return True
 
     def _held(self, episode: str) -> _Episode:
         held = self.episodes.get(episode)
@@ -303,7 +317,7 @@ class EnvServer:
         """Drop the episodes idle since `before` (`time.monotonic()`), other than those in a call now."""
         stale = [e for e, held in self.episodes.items() if held.used_at < before and not held.lock.locked()]
         for episode in stale:
-            del self.episodes[episode]
+            self._drop(episode)
         if stale:
             self.counts["evicted"] += len(stale)
             log.info("env_episodes_evicted", instance=self.instance, episodes=len(stale))
