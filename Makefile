@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 VLLM_STAMP := $(VENV)/.vllm-$(shell sha1sum pyproject.toml | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: test-chaos test-stress install vllm smollm2 demo-smollm2 demo-omni install-vllm lint test test-unit test-bus test-e2e test-compose test-containers bench demo clean
+.PHONY: test-chaos test-stress install vllm smollm2 demo-smollm2 demo-omni demo-agent install-vllm lint test test-unit test-bus test-e2e test-compose test-containers bench demo clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -102,6 +102,14 @@ demo-smollm2: smollm2
 demo-omni: install
 	rm -rf runs/omni
 	HF_HUB_OFFLINE=1 $(VENV)/bin/relax run examples/omni.yaml --run-dir runs/omni
+
+# Agentic RL (docs/agentic.md): the tiny model learns to call a calculator served on the bus for two-digit sums and
+# products, then the same run without the tool; `relax compare` prints both side by side and draws the curves.
+demo-agent: install
+	rm -rf runs/agent runs/agent-notool
+	HF_HUB_OFFLINE=1 $(VENV)/bin/relax run examples/agent.yaml --run-dir runs/agent
+	HF_HUB_OFFLINE=1 $(VENV)/bin/relax run examples/agent-notool.yaml --run-dir runs/agent-notool
+	$(VENV)/bin/relax compare runs/agent runs/agent-notool --out runs/agent/compare.png
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

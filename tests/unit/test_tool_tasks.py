@@ -74,10 +74,13 @@ def test_arithmetic_refuses_bad_options(options, message):
 
 
 def test_arithmetic_demonstrations_are_the_clean_direct_and_miscalled_ones():
-    items = arithmetic(digits=2, seed=0, limit=300)
+    items = arithmetic(digits=2, seed=0, limit=300, miscalls=0.3)
     for it in items:
         a, op, b = re.fullmatch(r"(\d+)([+*])(\d+)=", prompt_text(it.parts)).groups()  # type: ignore[union-attr]
-        clean, direct, miscalled = it.demos
+        clean, *noisy = it.demos
+        assert len(noisy) == 10 and len(set(noisy)) == 2  # 3 miscalled, 7 direct: the warm-up draws among them
+        miscalled, direct = noisy[0], noisy[-1]
+        assert noisy.count(miscalled) == 3
         assert clean == ((f"<call>{a}{op}{b}</call>", True), (f"<obs>{it.answer}</obs>", False), (it.answer, True))
         assert direct == ((it.answer, True),)
         (call, call_trained), (obs, obs_trained), (said, said_trained) = miscalled
@@ -86,7 +89,7 @@ def test_arithmetic_demonstrations_are_the_clean_direct_and_miscalled_ones():
         assert (wa, wop) == (a, op) and abs(int(wb) - int(b)) == 1 and len(wb) == len(b)  # one digit off, still 2
         wrong = str(OPERATIONS[op](int(a), int(wb)))
         assert obs == f"<obs>{wrong}</obs>" and said == wrong and wrong != it.answer  # copied faithfully
-    assert arithmetic(digits=2, seed=0, limit=300)[7].demos == items[7].demos  # reproducible
+    assert arithmetic(digits=2, seed=0, limit=300, miscalls=0.3)[7].demos == items[7].demos  # reproducible
 
 
 def test_arithmetic_without_the_tool_has_no_demonstrations():

@@ -159,6 +159,9 @@ class ArithmeticOptions(Section):
     """Keep only the first `limit` problems."""
     template: str = "{a}{op}{b}="
     """The prompt; `{a}`, `{op}` and `{b}` stand for the operands and the operation."""
+    miscalls: float = Field(default=0.2, ge=0, le=1)
+    """Of the warm-up's noisy demonstrations (`trainer.warmup.label_noise`), the fraction that call the tool with a
+    wrong digit; the others answer without the tool."""
 
 
 class ArithmeticTask(Section):
