@@ -8,8 +8,8 @@ that are trained or not (the observation is the environment's, never the policy'
     miscalled  <call>37*46</call> | <obs>1702</obs> | 1702        (a wrong digit in the call, copied faithfully)
 
 The warm-up trains on the clean one, then (`trainer.warmup.label_noise`) on a mix of the other two (`miscalls` of it
-miscalled), so RL starts from a policy that knows the format but calls the tool only sometimes, sometimes wrongly. `tool=False` is the
-same problems as plain question and answer (the no-tool control).
+miscalled), so RL starts from a policy that knows the format but calls the tool only sometimes, sometimes wrongly.
+`tool=False` is the same problems as plain question and answer (the no-tool control).
 """
 
 from __future__ import annotations
