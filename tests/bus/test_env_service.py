@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
 from nats.aio.client import Client as NATS
@@ -268,3 +270,16 @@ async def test_an_environment_is_closed_when_its_episode_ends(serve, conns, run)
     await until(lambda: list(ClosingCounter.closed), lambda c: len(c) == 2, timeout_s=5, what="two closed")
     await server.stop()  # what it still held is closed too
     assert ClosingCounter.closed == [7, 7, 7]
+
+
+async def test_the_docs_own_environment_example_serves_as_written(serve, conns, run, tmp_path, monkeypatch):
+    page = (Path(__file__).resolve().parents[2] / "docs" / "agentic.md").read_text()
+    code = next(block for block in re.findall(r"```python\n(.*?)```", page, re.DOTALL) if "class WordLength" in block)
+    (tmp_path / "my_envs.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    await serve("my_envs:WordLength", {"limit": 32})
+    session = await EnvClient(await conns(), run, timeout_s=2.0, retries=0).open(EnvItem(episode="e", prompt="p"))
+    assert (await session.step("bus")).observation == "3"
+    assert (await session.step('{"name": "length", "arguments": {"word": "stream"}}')).observation == "6"
+    too_long = await session.step("x" * 40)
+    assert too_long.observation == "error: too long" and too_long.info == {"valid": False}
