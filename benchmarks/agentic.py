@@ -1,7 +1,7 @@
 """Agentic episodes on the bus: what a slow tool, the turn batch's KV cache and durable turns cost the rollout.
 
     python -m benchmarks.agentic [--prompts 32] [--samples 8] [--latencies 0,50,200] [--servers 2] [--rounds 3]
-    python -m benchmarks.agentic --quick          # 8 prompts x 8, one round: about a minute
+    python -m benchmarks.agentic --quick          # 8 prompts x 8, one round: 1-2 minutes
 
 One embedded nats-server; a run provisioned from a config with an `agent` section (calculator, `tags` format,
 4 turns, 96 tokens, 24 per turn); `--servers` environment servers (`workers.envs.service.serve_env`), each a
@@ -604,7 +604,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5, help="rounds of the side-by-side comparisons (default 3)")
     p.add_argument("--teach-steps", type=int, default=200, help="supervised steps teaching the tool format")
     p.add_argument("--threads", type=int, default=1, help="torch threads, as `relax worker --threads` (default 1)")
-    p.add_argument("--quick", action="store_true", help="8 prompts, one round: about a minute")
+    p.add_argument("--quick", action="store_true", help="8 prompts, one round: 1-2 minutes")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "agentic.json"))
     p.add_argument("--serve-env", nargs=4, metavar=("URL", "RUN", "LATENCY_S", "THREADS"), help=argparse.SUPPRESS)
     args = p.parse_args()
