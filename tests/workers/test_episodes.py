@@ -401,6 +401,33 @@ async def test_a_recorded_episode_resumes_from_its_last_turn_with_its_versions(e
     assert all(w.version_spans == s.version_spans for w, s in zip(wire, samples, strict=True))
 
 
+async def test_an_episode_recorded_after_its_end_resumes_as_it_ended(engine, fmt):
+    """A worker dies after some episodes of its batch ended and were recorded: a resuming worker returns them as
+    they ended, never samples a turn after their end."""
+    records: list[bytes] = []
+    _, items, whole = await episodes(engine, fmt, Sessions(), records=records)
+    last: dict[str, EpisodeRecord] = {}
+    for data in records:
+        rec = EpisodeRecord.from_bytes(data)
+        last[rec.episode] = rec
+    assert sum(s.episode.ended == "answer" for s in whole) >= 4, [s.episode.ended for s in whole]
+    for item, s in zip(items, whole, strict=True):
+        assert (last[item.episode].ended, last[item.episode].answer) == (s.episode.ended, s.episode.answer)
+    sessions = Sessions()
+    _, _, again = await episodes(engine, fmt, sessions, resumed=[last[it.episode] for it in items])
+    assert sessions.opened == {}  # nothing left to step: no environment opened
+    for w, a in zip(whole, again, strict=True):
+        assert a.token_ids.to_values() == w.token_ids.to_values() and a.trained() == w.trained()
+        assert a.logprobs.to_values() == w.logprobs.to_values() and a.finish_reason == w.finish_reason
+        assert (a.episode.ended, a.episode.answer, a.episode.turns, a.episode.tool_calls) == (
+            w.episode.ended,
+            w.episode.answer,
+            w.episode.turns,
+            w.episode.tool_calls,
+        )
+        assert a.episode.resumed_turns == w.episode.turns
+
+
 # ---- stop strings in the torch engine -----------------------------------------------------------------------------
 
 

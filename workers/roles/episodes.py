@@ -17,7 +17,8 @@ its oldest token's (the staleness rule's, as with partial rollouts).
 An episode ends when a turn calls no tool (`answer`: that turn's text is the final answer), when the environment
 says done (`env_done`), at `agent.max_turns` or `agent.max_tokens` (truncated, flagged), or when its environment
 fails (`env_error`) or cannot be replaced (`env_lost`). After every completed turn the episode's record goes to the
-bus (`record`), so another worker can resume it from there.
+bus (`record`), so another worker can resume it from there; the record of an episode that ended says why, and a
+resumed episode that had ended is returned as recorded.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, get_args, runtime_checkable
 
 import msgpack
 
@@ -45,6 +46,7 @@ log = get_logger(__name__)
 TURN_STRIDE = 7_919_993
 """Turn t of a row draws from the random stream `seed + t * TURN_STRIDE` (turn 0 is the row's plain stream)."""
 SEED_MOD = 1 << 31
+ENDS = frozenset(get_args(EpisodeEnd))
 
 
 @runtime_checkable
@@ -98,6 +100,10 @@ class EpisodeRecord:
     env_s: float = 0.0
     started: bool = False
     """The environment's first observation is in `tokens` already."""
+    ended: str | None = None
+    """Why the episode ended, once it has: a resuming worker returns it as it is, never samples past its end."""
+    answer: str = ""
+    """The final answer of an episode that ended `answer`."""
 
     def to_bytes(self) -> bytes:
         return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
@@ -158,8 +164,10 @@ async def run_episodes(
     ]
     for ep in rows:
         ep.resumed_turns = ep.record.turns
+        if ep.record.ended in ENDS:  # recorded after its last turn: nothing is left to run
+            ep.ended, ep.answer = cast(EpisodeEnd, ep.record.ended), ep.record.answer
     try:
-        await asyncio.gather(*(_open(ep, open_env, fmt, limits, engine.version) for ep in rows))
+        await asyncio.gather(*(_open(ep, open_env, fmt, limits, engine.version) for ep in rows if ep.ended is None))
         running = [ep for ep in rows if ep.ended is None]
         turns: TurnBatch | None = None
         if running and isinstance(engine, TurnEngine):  # one KV cache across the turns (the torch engine)
@@ -171,6 +179,8 @@ async def run_episodes(
             calling = [ep for ep in running if ep.ended is None]
             await asyncio.gather(*(_env_step(ep, fmt, limits) for ep in calling))
             if record is not None:
+                for ep in running:
+                    ep.record.ended, ep.record.answer = ep.ended, ep.answer
                 await asyncio.gather(*(record(ep.record) for ep in running))
             if turns is not None:
                 turns.keep([i for i, ep in enumerate(running) if ep.ended is None])
