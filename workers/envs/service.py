@@ -13,15 +13,17 @@ stays idle past `idle_ttl_s`. A failure is a micro error reply (`Nats-Service-Er
 a one-line text, never the end of the server: `404 unknown episode` (the client treats it as a lost instance),
 `503` for a reset while the instance holds `max_episodes` (the client asks again, and the queue group may pick
 another instance), `500` for an environment's exception, `504` for a call past `call_timeout_s`, `400` for a
-request that is not the protocol's. Environment code runs in threads (`asyncio.to_thread`), several episodes at
-once; the steps of one episode run one at a time. `$SRV.PING/INFO/STATS` (`nats micro ls`, `relax inspect`) list
-the instances with the requests, errors and average latency of each endpoint.
+request that is not the protocol's. Environment code runs in the server's own threads (`threads` of them), several
+episodes at once; the steps of one episode run one at a time. `$SRV.PING/INFO/STATS` (`nats micro ls`,
+`relax inspect`) list the instances with the requests, errors and average latency of each endpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
+import functools
 import json
 import time
 import uuid
@@ -68,6 +70,9 @@ class ServerLimits:
     """Longest one environment call (construct and reset, or step) may take before the episode fails."""
     idle_ttl_s: float = 600.0
     """An episode without a request for this long is dropped (its client died or forgot it)."""
+    threads: int = 64
+    """Environment calls run at once (a thread each): a slow tool's steps of different episodes overlap up to this
+    many (the default executor would allow `cpus + 4`)."""
     max_episodes: int = 1024
     """Episodes held at once; a reset beyond them is refused (`503`), for another instance to take."""
 
@@ -126,6 +131,7 @@ class EnvServer:
         self.options = dict(options or {})
         self.limits = limits or ServerLimits()
         self.instance = instance or new_instance_id()
+        self._threads = concurrent.futures.ThreadPoolExecutor(self.limits.threads, thread_name_prefix="env")
         self.episodes: dict[str, _Episode] = {}
         self.counts: collections.Counter[str] = collections.Counter()
         """Episodes opened, steps taken, errors, evictions: written into the env role's heartbeat."""
@@ -182,6 +188,7 @@ class EnvServer:
                 await cancel_and_wait(task)
         for episode in list(self.episodes):
             self._drop(episode)
+        self._threads.shutdown(wait=False, cancel_futures=True)  # a call past its timeout may still run: not waited
         log.info("env_stopped", instance=self.instance, **self.counts)
 
     # ------------------------------------------------------------ requests
@@ -235,7 +242,8 @@ class EnvServer:
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """An environment call in a thread, bounded by `call_timeout_s` (the thread of one past it is left to end)."""
         try:
-            return await asyncio.wait_for(asyncio.to_thread(fn, *args), self.limits.call_timeout_s)
+            call = asyncio.get_running_loop().run_in_executor(self._threads, functools.partial(fn, *args))
+            return await asyncio.wait_for(call, self.limits.call_timeout_s)
         except TimeoutError:
             raise ServiceError(TIMED_OUT, f"environment call timed out after {self.limits.call_timeout_s:g}s") from None
 

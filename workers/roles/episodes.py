@@ -105,6 +105,17 @@ class EpisodeRecord:
     answer: str = ""
     """The final answer of an episode that ended `answer`."""
 
+    def snapshot(self) -> EpisodeRecord:
+        """A copy that the next turns leave as it is (what a put in flight encodes)."""
+        return dataclasses.replace(
+            self,
+            tokens=list(self.tokens),
+            logprobs=list(self.logprobs),
+            trained=list(self.trained),
+            versions=list(self.versions),
+            actions=list(self.actions),
+        )
+
     def to_bytes(self) -> bytes:
         return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
 
@@ -166,6 +177,7 @@ async def run_episodes(
         ep.resumed_turns = ep.record.turns
         if ep.record.ended in ENDS:  # recorded after its last turn: nothing is left to run
             ep.ended, ep.answer = cast(EpisodeEnd, ep.record.ended), ep.record.answer
+    recording: asyncio.Future[list[None]] | None = None
     try:
         await asyncio.gather(*(_open(ep, open_env, fmt, limits, engine.version) for ep in rows if ep.ended is None))
         running = [ep for ep in rows if ep.ended is None]
@@ -178,10 +190,11 @@ async def run_episodes(
             await _policy_turn(engine, fmt, sampling, limits, running, turns)
             calling = [ep for ep in running if ep.ended is None]
             await asyncio.gather(*(_env_step(ep, fmt, limits) for ep in calling))
-            if record is not None:
+            if record is not None:  # the puts of this wave run while the next turn generates
                 for ep in running:
                     ep.record.ended, ep.record.answer = ep.ended, ep.answer
-                await asyncio.gather(*(record(ep.record) for ep in running))
+                await _settled(recording)
+                recording = asyncio.gather(*(record(ep.record.snapshot()) for ep in running))
             if turns is not None:
                 turns.keep([i for i, ep in enumerate(running) if ep.ended is None])
             running = [ep for ep in running if ep.ended is None]
@@ -189,9 +202,18 @@ async def run_episodes(
                 for i, ep in enumerate(running):
                     turns.extend(i, ep.record.tokens[ep.fed :])
                     ep.fed = len(ep.record.tokens)
+        await _settled(recording)
     finally:
+        if recording is not None and not recording.done():
+            recording.cancel()
         await asyncio.gather(*(_close(ep) for ep in rows))
     return [_sample(ep, engine) for ep in rows]
+
+
+async def _settled(recording: asyncio.Future[list[None]] | None) -> None:
+    """Wait for a wave's record puts (their failure is raised here: a turn that cannot be recorded fails the call)."""
+    if recording is not None:
+        await recording
 
 
 async def _open(ep: _Episode, open_env: Opener, fmt: ToolFormat, limits: Limits, version: int) -> None:
