@@ -49,13 +49,15 @@ class EnvClient:
         """Start `item`'s episode on any instance and replay `actions` on it (their results discarded)."""
         session = EnvSession(self, item)
         reason = ""
-        for _ in range(self.retries + 1):
+        for attempt in range(self.retries + 1):
             try:
                 await session._reset(list(actions))
                 session.actions = list(actions)
                 return session
             except _Lost as lost:
                 reason = str(lost)
+                if attempt < self.retries and actions:  # the recorded actions are replayed again, elsewhere
+                    session.replays += 1
         raise EnvLost(f"no environment instance took episode {item.episode}: {reason}")
 
     async def request(self, subject: str, body: dict[str, Any]) -> dict[str, Any]:
