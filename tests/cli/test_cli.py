@@ -59,9 +59,9 @@ def test_init_then_inspect_json(nats_server, tmp_path):
     first = relax("init", cfg, "--nats-url", nats_server.url, "--json")
     assert first.returncode == 0, first.stderr
     report = json.loads(first.stdout)
-    assert report["run"] == "clitest" and len(report["created"]) == 15
+    assert report["run"] == "clitest" and len(report["created"]) == 16
     again = relax("init", cfg, "--nats-url", nats_server.url)
-    assert again.returncode == 0 and "0 created, 0 updated, 15 unchanged" in again.stdout
+    assert again.returncode == 0 and "0 created, 0 updated, 16 unchanged" in again.stdout
 
     out = relax("inspect", "clitest", "--nats-url", nats_server.url, "--json")
     assert out.returncode == 0, out.stderr
@@ -231,7 +231,7 @@ def test_init_and_run_refuse_unknown_plug_ins_with_every_error(tmp_path):
         "rollout.engine: unknown type 'tensorrt' (known: 'torch', 'vllm', 'sim')",
         "trainer.advantage: unknown type 'ppo' (known: 'grpo', 'drgrpo', 'rloo', 'reinforce_pp', "
         "'reinforce_pp_baseline')",
-        "task: unknown type 'csv' (known: 'addition', 'reverse', 'jsonl', 'hf', 'omni')",
+        "task: unknown type 'csv' (known: 'addition', 'reverse', 'jsonl', 'hf', 'omni', 'arithmetic')",
         "rewards.0: unknown type 'bleu' (known: 'exact', 'numeric', 'format', 'math', 'python')",
         "rewards.1.numeric.options.tolerence: unknown setting",
         "rewards.2.format.options: Field required",
