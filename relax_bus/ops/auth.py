@@ -182,7 +182,8 @@ def _observer(t: Topology, inbox: str) -> Permissions:
     """Look, never touch: what `relax inspect` reads, plus following the events and dead letters."""
     pub = [*_infos(t), t.env.stats]
     for b in t.buckets:
-        pub += _reads_kv(b.name)
+        if b.key != "episodes":  # in-flight episodes' tokens: the rollout's own, no dashboard needs them
+            pub += _reads_kv(b.name)
     for key in ("dlq", "events"):
         pub += _direct_reader(t.stream(key).name)
     return Permissions(tuple(dict.fromkeys(pub)), (inbox,))

@@ -218,7 +218,7 @@ def test_each_role_may_read_back_exactly_the_streams_it_publishes_to():
     dlq_events = {"RELAX_r1_DLQ", "RELAX_r1_EVENTS"}
     reads = {  # what each role could read by sequence before: KV, stores, and its input when it reaps
         "feeder": kv_and_stores,
-        "rollout": kv_and_stores | weights | {"RELAX_r1_PROMPTS"},
+        "rollout": kv_and_stores | weights | {"RELAX_r1_PROMPTS", "KV_relax_r1_episodes"},  # episodes' records
         "reward": kv_and_stores | {"RELAX_r1_ROLLOUTS"},
         "reference": kv_and_stores | weights | {"RELAX_r1_SCORED"},
         "actor": kv_and_stores | weights | {"OBJ_relax_r1_checkpoints"},  # its own store, read by nobody else

@@ -90,8 +90,10 @@ def test_every_stream_and_store_is_bounded():
         bus.workers_max_bytes,
         bus.heartbeat_max_bytes,
     )
+    episodes = buckets["episodes"]
+    assert (episodes.max_bytes, episodes.ttl_s) == (bus.episodes_max_bytes, bus.episodes_max_age_s)
     assert all(s.max_consumers == bus.max_consumers > 0 for s in t.streams)
-    in_buckets = bus.state_max_bytes + bus.workers_max_bytes
+    in_buckets = bus.state_max_bytes + bus.workers_max_bytes + bus.episodes_max_bytes
     assert sum(t.reserved_bytes().values()) == sum(s.max_bytes for s in t.streams) + bus.media_max_bytes + in_buckets
 
 

@@ -66,6 +66,9 @@ NOT_ROLES = {
     ("relax_bus/topology.py", "env"),  # the environment servers' queue group
     ("workers/envs/client.py", "reward"),  # a step reply's field
     ("workers/envs/service.py", "reward"),
+    ("workers/envs/service.py", "env"),  # the server's thread names
+    ("workers/roles/reward.py", "env"),  # agent.reward's values and the episode's `env` reward term
+    ("workers/rewards/sandbox/client.py", "reward"),  # who the sandbox runs code for, in its refusal line
 }
 
 

@@ -65,7 +65,8 @@ def test_reverse_is_correct_and_deterministic():
 
 
 def test_unknown_task_type_and_option_are_clear():
-    with pytest.raises(ValueError, match=r"unknown task type 'nope'; known types: addition, hf, jsonl, omni, reverse"):
+    known = "addition, arithmetic, hf, jsonl, omni, reverse"
+    with pytest.raises(ValueError, match=rf"unknown task type 'nope'; known types: {known}"):
         load_task({"type": "nope"})
     with pytest.raises(ValueError, match=r"task 'addition'.*'colour'"):
         load_task({"type": "addition", "colour": "red"})
