@@ -45,12 +45,14 @@ def _prompt_renders(config: PipelineConfig, work_dir: Path, found: Found) -> Non
     from workers.data.models import load_tokenizer
     from workers.data.prompts import prompt_ids
     from workers.data.tasks import prompt_text
+    from workers.envs.formats import prompt_tools
 
     if "model" in found:
         first = found["task"][0] if found.get("task") else None
         text, history = (prompt_text(first.parts), first.history) if first else ("1+1=", ())
         model = config.model
-        prompt_ids(load_tokenizer(found["model"]), text, model.prompt_format, model.system_prompt, history)
+        tools = prompt_tools(config.agent)
+        prompt_ids(load_tokenizer(found["model"]), text, model.prompt_format, model.system_prompt, history, tools)
 
 
 def _rewards(config: PipelineConfig, work_dir: Path, found: Found) -> None:

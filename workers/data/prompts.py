@@ -7,14 +7,17 @@
 Chat: `[system?] + history + user(text)` through `apply_chat_template(add_generation_prompt=True)`, so the
 ids end where the assistant's turn begins and the model answers in its own format (a template's own default
 system prompt applies when `model.system_prompt` is unset; a conversation's own system turn replaces it).
-Raw: the system prompt, the earlier turns' texts and the text, joined by blank lines.
+A run whose agent calls tools through the chat template (`agent.format: hermes`) passes the environment's tool
+descriptions as `tools`, which the template renders as its model expects (a template that ignores them, like
+SmolLM2's, renders the same ids as without).
+Raw: the system prompt, the earlier turns' texts and the text, joined by blank lines (`tools` is not rendered).
 A tokenizer without BOS (Qwen-family) adds none; no `None` ever reaches the ids.
 The rollout role and the trainer's warm-up both render through here, so they see the same ids.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from schemas import ChatTurn
@@ -41,9 +44,10 @@ def prompt_ids(
     prompt_format: str = "auto",
     system: str | None = None,
     history: Sequence[ChatTurn] = (),
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of a user prompt after the conversation's earlier turns, ready for generation; ValueError when
-    it renders to nothing."""
+    it renders to nothing. `tools`: JSON-schema tool descriptions for the chat template (None: none)."""
     if history and history[-1].role == "user":
         raise ValueError("a conversation's history must not end with a user turn: the prompt is the user's turn")
     if any(t.role == "system" for t in history):
@@ -52,7 +56,10 @@ def prompt_ids(
         messages = [{"role": "system", "content": system}] if system else []
         messages += [{"role": t.role, "content": t.content} for t in history]
         messages.append({"role": "user", "content": text})
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        extra = {"tools": [dict(t) for t in tools]} if tools else {}
+        rendered = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False, **extra
+        )
         ids = list(rendered["input_ids"] if isinstance(rendered, dict) else rendered)
     else:
         full = "\n\n".join([*([system] if system else []), *(t.content for t in history), text])

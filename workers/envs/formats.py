@@ -17,7 +17,9 @@ from __future__ import annotations
 import re
 from typing import Any, Protocol
 
+from workers.config.agent import AgentConfig
 from workers.data.prompts import uses_chat
+from workers.envs.base import env_class, tools_of
 
 
 class ToolFormat(Protocol):
@@ -123,3 +125,12 @@ def make_format(name: str, tokenizer: Any) -> ToolFormat:
         raise ValueError(f"unknown tool-call format {name!r}; known: {', '.join(sorted(FORMATS))}")
     fmt: ToolFormat = FORMATS[name](tokenizer)
     return fmt
+
+
+def prompt_tools(agent: AgentConfig | None) -> list[dict[str, Any]] | None:
+    """The tool descriptions a run's prompts render with (`prompt_ids(tools=...)`): the environment class's `tools`
+    when the agent calls them through the chat template (`hermes`), else None. The rollout role and the trainer's
+    warm-up both ask here, so they render the same ids."""
+    if agent is None or agent.format != "hermes":
+        return None
+    return tools_of(env_class(agent.env.type)) or None

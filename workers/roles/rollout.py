@@ -35,6 +35,7 @@ from workers.data.models import load_tokenizer, materialize
 from workers.data.prompts import prompt_ids
 from workers.data.tasks import prompt_text
 from workers.engines.base import Engine, Generated, MediaEngine, MediaInputs, SamplingSettings, make_engine
+from workers.envs.formats import prompt_tools
 from workers.omni.errors import MediaError
 from workers.omni.loading import is_multimodal
 from workers.omni.logprobs import check_positions
@@ -79,6 +80,8 @@ class Rollout:
         )
         self.batch = cfg.batch_groups
         self._tokenizing = threading.Lock()  # handlers tokenise in threads; one tokenizer object serves them all
+        self.tools = prompt_tools(bus.config.agent)
+        """The tool descriptions prompts render with (a `hermes` agent's environment's; None: none)."""
         processor = getattr(engine, "processor", None)
         self.media_root = task_media_root(bus.config.task)
         """The one directory `file://` media references are read from (the jsonl task's); None: none is."""
@@ -219,7 +222,9 @@ class Rollout:
         text = prompt_text(prompt.parts)
         try:
             with self._tokenizing:
-                ids = prompt_ids(self.tokenizer, text, model.prompt_format, model.system_prompt, prompt.history)
+                ids = prompt_ids(
+                    self.tokenizer, text, model.prompt_format, model.system_prompt, prompt.history, self.tools
+                )
         except (ValueError, TypeError) as err:  # deliberate: input the tokenizer refuses is bad input, not a fault
             raise Reject(f"prompt text cannot be tokenised: {type(err).__name__}: {err}") from None
         self._check_room(ids)

@@ -18,6 +18,7 @@ from relax_bus.log import get_logger
 from workers.data.prompts import answer_ids, prompt_ids
 from workers.data.task_items import Demo
 from workers.data.tasks import TaskItem, prompt_text
+from workers.envs.formats import prompt_tools
 from workers.omni.group_forward import sample_after
 from workers.omni.media_refs import has_media
 from workers.training.logprobs import token_logprobs
@@ -39,8 +40,11 @@ def item_prompt(trainer: PolicyTrainer, item: TaskItem) -> Prompt:
     if trainer.prompter is not None and has_media(item.parts):
         inputs = trainer.prompter.inputs(item.parts)
         return inputs["input_ids"][0].tolist(), inputs
-    model = trainer.config.model
-    ids = prompt_ids(trainer.tokenizer, prompt_text(item.parts), model.prompt_format, model.system_prompt, item.history)
+    config = trainer.config
+    model = config.model
+    text = prompt_text(item.parts)
+    tools = prompt_tools(config.agent)
+    ids = prompt_ids(trainer.tokenizer, text, model.prompt_format, model.system_prompt, item.history, tools)
     return ids, None
 
 
