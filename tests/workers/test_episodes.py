@@ -471,3 +471,13 @@ def test_sampling_settings_refuse_an_empty_stop_string():
     with pytest.raises(ValueError, match="stop strings must not be empty"):
         SamplingSettings(stop=("</call>", ""))
     assert SamplingSettings(stop=("</call>",)).stop == ("</call>",)
+
+
+def test_a_record_that_does_not_hold_together_is_refused() -> None:
+    good = EpisodeRecord("g/0/0", tokens=[5, 6], logprobs=[-0.1, 0.0], trained=[1, 0], versions=[2, 2], turns=1)
+    assert EpisodeRecord.from_bytes(good.to_bytes()) == good
+    torn = dataclasses.replace(good, logprobs=[-0.1])
+    with pytest.raises(ValueError, match="differ in length"):
+        EpisodeRecord.from_bytes(torn.to_bytes())
+    with pytest.raises(ValueError):
+        EpisodeRecord.from_bytes(b"\x93\x01\x02\x03")  # a msgpack list, not a map

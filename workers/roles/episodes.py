@@ -121,9 +121,16 @@ class EpisodeRecord:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> EpisodeRecord:
+        """The record `to_bytes` wrote; ValueError for one that is not (the episode then starts over)."""
         fields = msgpack.unpackb(data, raw=False)
+        if not isinstance(fields, dict):
+            raise ValueError("an episode record is a map")
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in fields.items() if k in known})
+        record = cls(**{k: v for k, v in fields.items() if k in known})
+        sizes = {len(record.tokens), len(record.logprobs), len(record.trained), len(record.versions)}
+        if len(sizes) != 1 or len(record.actions) > record.turns:
+            raise ValueError("an episode record whose tokens, log-probs, mask and versions differ in length")
+        return record
 
 
 @dataclass
