@@ -68,3 +68,15 @@ def test_env_servers_are_counted_only_in_a_run_with_an_agent_section():
     plain = parse_config({"run": "r"})
     assert "env" not in [r.name for r in plain.chain]
     assert parse_config(plain.model_dump()).roles.count("env") == 1, "a dumped config (env: 1) reads back"
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        ({"rollout": {"partial": "continue"}}, "agent episodes with rollout.partial continue"),
+        ({"trainer": {"moe": {"routing_replay": "r3"}}}, "agent episodes with trainer.moe.routing_replay r3"),
+    ],
+)
+def test_what_episodes_cannot_run_with_is_refused_at_parse(extra, said):
+    with pytest.raises(ConfigError, match=said):
+        parse_config({"run": "r", "agent": AGENT, **extra})

@@ -347,10 +347,10 @@ async def rollout_worker(
     options = options or WorkerOptions(concurrency=cfg.rollout.batch_groups)
     rollout = Rollout(bus, engine, load_tokenizer(model_dir), make_transport(bus), options.worker_id)
     if cfg.agent is not None:
-        from workers.roles.agent import Agent  # the environment client and formats: only runs with episodes
+        from workers.roles.agent import Agent  # the environment client and the episodes: only runs with them
 
-        if getattr(engine, "processor", None) is not None or cfg.rollout.partial != "off":
-            raise ValueError("agent episodes need a text model and rollout.partial off")
+        if getattr(engine, "processor", None) is not None:
+            raise ValueError("agent episodes need a text model: a multimodal prompt cannot be continued yet")
         rollout.agent = await Agent.start(bus, engine, rollout.tokenizer, rollout.sampling)
     worker = Worker(bus, "rollout", rollout.handle, PromptGroup, options)
     rollout.worker = worker
