@@ -73,7 +73,7 @@ from workers.envs.service import ServerLimits, serve_env
 from workers.roles.agent import Agent, record_key
 from workers.roles.episodes import EnvSessionLike, EpisodeRecord
 from workers.training.logprobs import token_logprobs
-from workers.training.warmup import demo_ids
+from workers.training.warmup import demo_ids, sft_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny:128x2"
@@ -98,14 +98,7 @@ def teach(engine: TorchEngine, steps: int, batch: int = 16, lr: float = 3e-3) ->
     loss = torch.tensor(float("nan"))
     for _ in range(steps):
         chosen = [examples[rng.randrange(len(examples))] for _ in range(batch)]
-        width = max(len(p) + len(a) for p, a, _ in chosen)
-        ids = torch.zeros(batch, width, dtype=torch.long)
-        attention = torch.zeros_like(ids)
-        mask = torch.zeros(batch, width - 1)
-        for row, (p, a, trained) in enumerate(chosen):
-            ids[row, : len(p) + len(a)] = torch.tensor(p + a)
-            attention[row, : len(p) + len(a)] = 1
-            mask[row, len(p) - 1 : len(p) + len(a) - 1] = torch.tensor(trained, dtype=mask.dtype)
+        ids, attention, mask = sft_tensors([(p, (a, trained)) for p, a, trained in chosen])
         loss = -(token_logprobs(model, ids, attention) * mask).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -35,7 +35,7 @@ from workers.envs.formats import TagFormat
 from workers.roles.episodes import EpisodeRecord, Limits, group_version, run_episodes
 from workers.roles.reward import episode_answer
 from workers.training.logprobs import token_logprobs
-from workers.training.warmup import demo_ids
+from workers.training.warmup import demo_ids, sft_tensors
 
 pytestmark = [pytest.mark.workers, pytest.mark.timeout(300)]
 
@@ -61,14 +61,7 @@ def teach(engine: TorchEngine, steps: int = 200, batch: int = 16, lr: float = 3e
     rng = random.Random(0)
     for _ in range(steps):
         chosen = [examples[rng.randrange(len(examples))] for _ in range(batch)]
-        width = max(len(p) + len(a) for p, a, _ in chosen)
-        ids = torch.zeros(batch, width, dtype=torch.long)
-        attention = torch.zeros_like(ids)
-        mask = torch.zeros(batch, width - 1)
-        for row, (p, a, trained) in enumerate(chosen):
-            ids[row, : len(p) + len(a)] = torch.tensor(p + a)
-            attention[row, : len(p) + len(a)] = 1
-            mask[row, len(p) - 1 : len(p) + len(a) - 1] = torch.tensor(trained, dtype=mask.dtype)
+        ids, attention, mask = sft_tensors([(p, (a, trained)) for p, a, trained in chosen])
         loss = -(token_logprobs(model, ids, attention) * mask).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -143,7 +143,6 @@ class _Episode:
     session: EnvSessionLike | None = None
     ended: EpisodeEnd | None = None
     answer: str = ""
-    last_text: str = ""
     fed: int = 0
     """Tokens of the record the engine's turn batch holds (the rest is appended before the next turn)."""
 
@@ -272,7 +271,6 @@ async def _policy_turn(
         ep.add(ids, lps, version, 1)
         ep.fed = len(ep.record.tokens)  # a turn batch's cache holds the sampled tokens (the last one waits in it)
         ep.record.turns += 1
-        ep.last_text = gen.text
         cut = len(ids) < len(gen.token_ids)
         action = None if cut else fmt.call_of(gen.text)
         if action is not None and gen.finish_reason == "stop":

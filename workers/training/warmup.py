@@ -137,23 +137,30 @@ def demo_ids(tokenizer: Any, demo: Demo) -> Target:
     return ids, trained
 
 
-def _sft_step(trainer: PolicyTrainer, opt: torch.optim.Optimizer, chosen: Sequence[tuple[Prompt, Target]]) -> float:
-    """One supervised step: mean token log-loss of the targets' trained tokens after their prompts."""
-    seqs = [p + a for (p, _), (a, _) in chosen]
+def sft_tensors(rows: Sequence[tuple[list[int], Target]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(prompt ids, target) rows as right-padded ids [N, T], attention [N, T] and the mask of the trained target
+    tokens [N, T-1], aligned with `token_logprobs` (the logit at t predicts token t+1)."""
+    seqs = [p + a for p, (a, _) in rows]
     width = max(len(s) for s in seqs)
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
     attention = torch.zeros_like(ids)
     mask = torch.zeros(len(seqs), width - 1)
-    for row, (((p, _), (_, trained)), s) in enumerate(zip(chosen, seqs, strict=True)):
+    for row, ((p, (_, trained)), s) in enumerate(zip(rows, seqs, strict=True)):
         ids[row, : len(s)] = torch.tensor(s)
         attention[row, : len(s)] = 1
         mask[row, len(p) - 1 : len(s) - 1] = torch.tensor(trained, dtype=mask.dtype)
+    return ids, attention, mask
+
+
+def _sft_step(trainer: PolicyTrainer, opt: torch.optim.Optimizer, chosen: Sequence[tuple[Prompt, Target]]) -> float:
+    """One supervised step: mean token log-loss of the targets' trained tokens after their prompts."""
+    ids, attention, mask = sft_tensors([(p, target) for (p, _), target in chosen])
     device = trainer.device
     with trainer.autocast():
         if trainer.prompter is not None:
             media = [m for (_, m), _ in chosen]
             logp = media_rows_logprobs(
-                trainer.model, ids.to(device), attention.to(device), media, range(len(seqs)), 1.0
+                trainer.model, ids.to(device), attention.to(device), media, range(len(chosen)), 1.0
             )
         else:
             logp = token_logprobs(trainer.model, ids.to(device), attention.to(device))
