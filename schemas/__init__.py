@@ -1,6 +1,7 @@
 """Message models and wire format of Relax-bus. Depends on pydantic and msgpack only."""
 
 from schemas.codec import decode, encode, peek_kind
+from schemas.episode import EpisodeInfo
 from schemas.errors import (
     InvalidMessage,
     MalformedPayload,
@@ -15,7 +16,6 @@ from schemas.messages import (
     SCHEMA_VERSION,
     ChatTurn,
     DeadLetter,
-    EpisodeInfo,
     GroupMessage,
     Message,
     Metric,

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from schemas import Sample
-from schemas.messages import EpisodeEnd
+from schemas.episode import EpisodeEnd
 from workers.data.models import materialize
 from workers.data.prompts import prompt_ids
 from workers.data.tasks import prompt_text

@@ -34,7 +34,7 @@ import msgpack
 
 from relax_bus.log import get_logger
 from schemas import EpisodeInfo, Sample, WireTensor
-from schemas.messages import EpisodeEnd
+from schemas.episode import EpisodeEnd
 from workers.engines.base import Engine, SamplingSettings
 from workers.engines.torch_turns import TurnBatch
 from workers.envs.base import EnvItem, StepResult
