@@ -22,8 +22,8 @@ from schemas.episode import EpisodeInfo
 from schemas.parts import Part
 from schemas.tensor import WireTensor
 
-SCHEMA_VERSION = "1.4"  # 1.1: PromptGroup.history; 1.2: Sample.routed_experts; 1.3: Sample.version_spans;
-# 1.4: Sample.loss_mask and Sample.episode, ChatTurn role "tool"
+SCHEMA_VERSION = "1.5"  # 1.1: PromptGroup.history; 1.2: Sample.routed_experts; 1.3: Sample.version_spans;
+# 1.4: Sample.loss_mask and Sample.episode, ChatTurn role "tool"; 1.5: TrainGroup.teacher_logprobs
 SCHEMA_MAJOR = 1
 
 _ID = r"^[A-Za-z0-9_.:-]{1,200}$"
@@ -292,12 +292,17 @@ class TrainGroup(Message):
     scored: ScoredGroup
     ref_logprobs: tuple[WireTensor, ...] | None = None
     """Reference-model log-probs per sample (`[tokens]` each), when a KL term is on."""
+    teacher_logprobs: tuple[WireTensor, ...] | None = None
+    """The teacher's log-probs of every sampled token per sample (`[tokens]` each), in a run with a teacher
+    (on-policy distillation)."""
 
     @model_validator(mode="after")
     def _one_per_sample(self) -> TrainGroup:
         n = len(self.scored.rollout.samples)
         if self.ref_logprobs is not None and len(self.ref_logprobs) != n:
             raise ValueError(f"{len(self.ref_logprobs)} reference log-prob tensors for {n} samples")
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
+            raise ValueError(f"{len(self.teacher_logprobs)} teacher log-prob tensors for {n} samples")
         return self
 
     @property

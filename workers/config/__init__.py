@@ -63,6 +63,7 @@ from workers.config.tasks import (
     task_seed,
     task_spec,
 )
+from workers.config.teacher import TeacherConfig
 from workers.config.trainer import (
     AdvantageConfig,
     CorrectionConfig,
@@ -120,6 +121,7 @@ __all__ = [
     "SimEngineConfig",
     "SimTrainerConfig",
     "TaskConfig",
+    "TeacherConfig",
     "TinyMoeSource",
     "TinyOmniSource",
     "TinySource",
@@ -234,6 +236,9 @@ class PipelineConfig(RunConfig):
     """Dynamic sampling: drop groups whose rewards are all equal, replaced by the feeder within a bound."""
     agent: AgentConfig | None = None
     """Multi-turn episodes with an environment on the bus (docs/agentic.md); null: one response per prompt."""
+    teacher: TeacherConfig | None = None
+    """On-policy distillation: the `teacher` role scores every sampled token with a teacher model, and the trainer
+    takes log p_teacher - log p_sampling as a per-token advantage (docs/algorithms.md); null: no teacher."""
 
     @property
     def reference(self) -> bool:
@@ -268,6 +273,8 @@ class PipelineConfig(RunConfig):
                 f"trainer.moe.routing_replay r3 needs the rollout engine to record routed experts: only the torch "
                 f"engine does (rollout.engine is {self.rollout.engine.type}; docs/r3.md)"
             )
+        if self.teacher is not None and self.model.source.type == "tiny-omni":
+            problems.append("a teacher scores text only: a multimodal policy (tiny-omni) cannot be distilled")
         if self.trainer.moe.routing_replay == "r3" and self.rollout.partial != "off":
             problems.append(
                 f"trainer.moe.routing_replay r3 with rollout.partial {self.rollout.partial}: a continued response's "

@@ -5,12 +5,14 @@ It is a `tokenizers` BPE model with an empty merge list over the GPT-2 byte-to-u
 wrapped as a transformers fast tokenizer so it saves and loads like any Hugging Face tokenizer
 (offline). Encoding never adds bos/eos: callers prefix bos themselves. Special-token names inside
 text are split into bytes (`split_special_tokens`), so any text, even "<eos>", round-trips exactly.
+
+`tokenizer_mismatch` says whether two models read token ids alike (a teacher and its student must).
 """
 
 from __future__ import annotations
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 PAD_ID, BOS_ID, EOS_ID = 256, 257, 258
@@ -49,3 +51,23 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
         model_max_length=1 << 30,
         split_special_tokens=True,
     )
+
+
+SHARED_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+"""The special token ids two tokenizers must share for one's token ids to mean the same to the other."""
+
+
+def tokenizer_mismatch(mine: PreTrainedTokenizerBase, theirs: PreTrainedTokenizerBase) -> str | None:
+    """How `theirs` differs from `mine` where the other model would read the same ids differently, or None: the
+    vocabulary (every token and its id), the special ids and the chat template."""
+    vocab, other = mine.get_vocab(), theirs.get_vocab()
+    if vocab != other:
+        changed = sorted(set(vocab.items()) ^ set(other.items()), key=lambda kv: kv[1])[:3]
+        return f"the vocabularies differ ({len(vocab)} vs {len(other)} tokens; e.g. {changed})"
+    for name in SHARED_IDS:
+        a, b = getattr(mine, name, None), getattr(theirs, name, None)
+        if a != b:
+            return f"{name} differs ({a} vs {b})"
+    if getattr(mine, "chat_template", None) != getattr(theirs, "chat_template", None):
+        return "the chat templates differ"
+    return None

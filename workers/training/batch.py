@@ -36,6 +36,8 @@ class Batch:
     media: tuple[MediaInputs | None, ...] = ()  # [B] the processor tensors of each group's prompt, or ()
     valid: torch.Tensor | None = None  # [B, n] bool: False where the sample has no reward (its reward failed, or its
     # episode's environment); such a row's mask is all 0 and its advantage 0. None: all valid
+    teacher_logp: torch.Tensor | None = None  # [N, T-1] float: the teacher's log-probs of the sampled tokens (a run
+    # with a teacher), aligned with `mask`
 
     def rows(self, rows: Sequence[int], device: torch.device) -> Batch:
         """The rows `rows` cut to their longest sequence, on `device` (rewards stay whole, on the CPU)."""
@@ -58,12 +60,15 @@ class Batch:
             routing=tuple(self.routing[r] for r in rows) if self.routing else (),
             media=self.media,
             valid=self.valid,
+            teacher_logp=None if self.teacher_logp is None else cut(self.teacher_logp, width - 1),
         )
 
 
 def make_batch(groups: Sequence[TrainGroup], media: Sequence[MediaInputs | None] = ()) -> Batch:
     """Pack B train groups of n samples each into padded tensors (with each group's media tensors, if given)."""
-    rows: list[tuple[list[int], list[int], list[float], list[float] | None]] = []
+    rows: list[tuple[list[int], list[int], list[float]]] = []
+    refs: list[list[float] | None] = []
+    teachers: list[list[float] | None] = []
     rewards, group_of, routing, trained, valid = [], [], [], [], []
     for index, g in enumerate(groups):
         rollout = g.scored.rollout
@@ -74,17 +79,19 @@ def make_batch(groups: Sequence[TrainGroup], media: Sequence[MediaInputs | None]
         for i, s in enumerate(rollout.samples):
             routing.append(s.routed_experts)
             trained.append(s.trained() if s.loss_mask is not None else None)
-            ref = list(g.ref_logprobs[i].to_values()) if g.ref_logprobs is not None else None
-            rows.append((prompt, list(s.token_ids.to_values()), list(s.logprobs.to_values()), ref))  # type: ignore[arg-type]
+            rows.append((prompt, list(s.token_ids.to_values()), list(s.logprobs.to_values())))  # type: ignore[arg-type]
+            refs.append(_row(g.ref_logprobs, i))
+            teachers.append(_row(g.teacher_logprobs, i))
             group_of.append(index)
-    width = max(len(p) + len(r) for p, r, _, _ in rows)
+    width = max(len(p) + len(r) for p, r, _ in rows)
     n = len(rows)
     ids = torch.zeros(n, width, dtype=torch.long)
     attention = torch.zeros(n, width, dtype=torch.long)
     mask = torch.zeros(n, width - 1)
     rollout_logp = torch.zeros(n, width - 1)
-    ref_logp = torch.zeros(n, width - 1) if rows[0][3] is not None else None
-    for row, (prompt, response, lps, ref) in enumerate(rows):
+    ref_logp = torch.zeros(n, width - 1) if refs[0] is not None else None
+    teacher_logp = torch.zeros(n, width - 1) if teachers[0] is not None else None
+    for row, (prompt, response, lps) in enumerate(rows):
         p, r = len(prompt), len(response)
         ids[row, : p + r] = torch.tensor(prompt + response)
         attention[row, : p + r] = 1
@@ -92,8 +99,9 @@ def make_batch(groups: Sequence[TrainGroup], media: Sequence[MediaInputs | None]
         keep = trained[row]
         mask[row, p - 1 : p - 1 + r] = 1 if keep is None else torch.tensor(keep, dtype=mask.dtype)
         rollout_logp[row, p - 1 : p - 1 + r] = torch.tensor(lps)
-        if ref_logp is not None and ref is not None:
-            ref_logp[row, p - 1 : p - 1 + r] = torch.tensor(ref)
+        for into, values in ((ref_logp, refs[row]), (teacher_logp, teachers[row])):
+            if into is not None and values is not None:
+                into[row, p - 1 : p - 1 + r] = torch.tensor(values)
     valid_rows = torch.tensor(valid, dtype=torch.bool)  # [B, n]
     mask *= valid_rows.reshape(-1, 1)  # a sample without a reward trains nothing
     return Batch(
@@ -103,13 +111,19 @@ def make_batch(groups: Sequence[TrainGroup], media: Sequence[MediaInputs | None]
         rollout_logp,
         ref_logp,
         torch.tensor(rewards, dtype=torch.float32),
-        tuple(len(p) + len(r) for p, r, _, _ in rows),
-        tuple(len(p) for p, _, _, _ in rows),
+        tuple(len(p) + len(r) for p, r, _ in rows),
+        tuple(len(p) for p, _, _ in rows),
         tuple(group_of),
         routed_rows(routing),
         tuple(media) or tuple(None for _ in groups),
         None if bool(valid_rows.all()) else valid_rows,
+        teacher_logp,
     )
+
+
+def _row(tensors: tuple[WireTensor, ...] | None, i: int) -> list[float] | None:
+    """Sample i's values of a group's per-sample tensors (reference or teacher log-probs), None without them."""
+    return None if tensors is None else list(tensors[i].to_values())  # type: ignore[arg-type]
 
 
 def older_tokens(groups: Sequence[TrainGroup], batch: Batch, floor: int) -> torch.Tensor:
@@ -165,7 +179,7 @@ def routed_experts(t: WireTensor | None) -> torch.Tensor | None:
 def untrainable(group: TrainGroup, vocab_size: int, max_tokens: int | None = None) -> str | None:
     """Why a train group cannot go into a step, or None: a reward or log-prob that is not finite (one NaN
     would reach every weight), a token id outside the vocabulary, a prompt + response longer than the model's
-    context (`max_tokens` positions; None: no limit), reference log-probs that do not line up with the
+    context (`max_tokens` positions; None: no limit), reference or teacher log-probs that do not line up with the
     responses, or an empty prompt."""
     scored, rollout = group.scored, group.scored.rollout
     if not all(math.isfinite(r) for r in scored.rewards):
@@ -185,14 +199,16 @@ def untrainable(group: TrainGroup, vocab_size: int, max_tokens: int | None = Non
                 f"sample {i}: {len(prompt)} prompt + {s.token_ids.numel} response tokens exceed the model's context "
                 f"of {max_tokens} positions"
             )
-    if group.ref_logprobs is not None:
-        if len(group.ref_logprobs) != len(rollout.samples):
-            return f"{len(group.ref_logprobs)} reference log-prob rows for {len(rollout.samples)} samples"
-        for i, (ref, s) in enumerate(zip(group.ref_logprobs, rollout.samples, strict=True)):
-            if ref.numel != s.token_ids.numel:
-                return f"sample {i}: {ref.numel} reference log-probs for {s.token_ids.numel} tokens"
-            if not _finite(ref):
-                return f"sample {i}: reference log-prob not finite"
+    for name, tensors in (("reference", group.ref_logprobs), ("teacher", group.teacher_logprobs)):
+        if tensors is None:
+            continue
+        if len(tensors) != len(rollout.samples):
+            return f"{len(tensors)} {name} log-prob rows for {len(rollout.samples)} samples"
+        for i, (values, s) in enumerate(zip(tensors, rollout.samples, strict=True)):
+            if values.numel != s.token_ids.numel:
+                return f"sample {i}: {values.numel} {name} log-probs for {s.token_ids.numel} tokens"
+            if not _finite(values):
+                return f"sample {i}: {name} log-prob not finite"
     return None
 
 

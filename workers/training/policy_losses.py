@@ -6,6 +6,7 @@ Shapes: B sequences (responses) in the batch, T response tokens (right-padded).
     logp      log pi_theta(y_t)   the policy being trained, carries the gradient        # [B, T]
     logp_old  log pi_old(y_t)     the trainer's own forward at the start of the step    # [B, T]
     A         one advantage per sequence, broadcast over its tokens                     # [B] -> [B, 1]
+              or one per token (on-policy distillation, `workers.training.distill`)      # [B, T]
     r         exp(logp - logp_old) per token                                            # [B, T]
     clip(x)   clamp(x, 1 - clip_low, 1 + clip_high)              (clip-higher, DAPO: 0.2 / 0.28)
     w         the correction's detached weight (`workers.training.corrections`)          # [B, T]
@@ -51,7 +52,7 @@ from workers.training.losses import AGGREGATIONS, aggregate, check_shapes, maske
 if TYPE_CHECKING:
     from workers.config.trainer import TrainerConfig
 
-# (logp, logp_old, A [B, 1], valid, clip_low, clip_high, **options) -> (loss_t, clip_active, ratio), all [B, T]
+# (logp, logp_old, A [B, 1|T], valid, clip_low, clip_high, **options) -> (loss_t, clip_active, ratio), all [B, T]
 SurrogateLoss = Callable[..., tuple[Tensor, Tensor, Tensor]]
 LOSS_METRICS = ("ppo_clip_frac", "ratio_mean")
 
@@ -62,7 +63,7 @@ def _log_ratio(logp: Tensor, logp_old: Tensor, valid: Tensor) -> Tensor:
 
 
 def _clipped_surrogate(ratio: Tensor, adv: Tensor, clip_low: float, clip_high: float) -> tuple[Tensor, Tensor]:
-    """min(r A, clip(r) A) and where the clipped branch is the smaller (no gradient). ratio [B, T], adv [B, 1]."""
+    """min(r A, clip(r) A) and where the clipped branch is the smaller (no gradient). ratio [B, T], adv [B, 1|T]."""
     unclipped = ratio * adv  # [B, T]
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv  # [B, T]
     clip_active = clipped < unclipped  # [B, T]; ties keep the unclipped branch and its gradient
@@ -72,7 +73,7 @@ def _clipped_surrogate(ratio: Tensor, adv: Tensor, clip_low: float, clip_high: f
 def ppo_loss(
     logp: Tensor, logp_old: Tensor, adv: Tensor, valid: Tensor, clip_low: float, clip_high: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """ppo: loss_t = -min(r A, clip(r) A), r = exp(logp - logp_old). [B, T], A [B, 1] -> (loss_t, clip_active, r)."""
+    """ppo: loss_t = -min(r A, clip(r) A), r = exp(logp - logp_old). [B, T], A [B, 1|T] -> (loss_t, clip_active, r)."""
     ratio = _log_ratio(logp, logp_old, valid).exp()  # [B, T]
     surrogate, clip_active = _clipped_surrogate(ratio, adv, clip_low, clip_high)
     return -surrogate, clip_active, ratio
@@ -83,7 +84,7 @@ def dual_clip_loss(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dual_clip: loss_t = -max(min(r A, clip(r) A), c A) where A < 0, ppo's elsewhere; c > 1.
 
-    logp, logp_old, valid: [B, T]; adv: [B, 1] -> (loss_t, clip_active, r), all [B, T]. A token held at
+    logp, logp_old, valid: [B, T]; adv: [B, 1|T] -> (loss_t, clip_active, r), all [B, T]. A token held at
     the bound c A has no gradient and counts as clipped.
     """
     if c <= 1.0:
@@ -100,7 +101,7 @@ def gspo_loss(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """gspo: s_b = exp(mean_t (logp - logp_old)) over b's valid tokens; loss_t = -min(s_b A, clip(s_b) A).
 
-    logp, logp_old, valid: [B, T]; adv: [B, 1] -> (loss_t, clip_active, s broadcast), all [B, T].
+    logp, logp_old, valid: [B, T]; adv: [B, 1|T] -> (loss_t, clip_active, s broadcast), all [B, T].
     """
     seq_ratio = sequence_mean(_log_ratio(logp, logp_old, valid), valid).exp()  # [B, 1]
     surrogate, clip_active = _clipped_surrogate(seq_ratio, adv, clip_low, clip_high)  # [B, 1]
@@ -113,7 +114,7 @@ def cispo_loss(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """cispo: loss_t = -sg(clip(r)) A (1 + logp - sg(logp)): value -clip(r) A, gradient -clip(r) A grad logp.
 
-    logp, logp_old, valid: [B, T]; adv: [B, 1] -> (loss_t, clip_active = r outside the clip range, r), all [B, T].
+    logp, logp_old, valid: [B, T]; adv: [B, 1|T] -> (loss_t, clip_active = r outside the clip range, r), all [B, T].
     """
     live = masked(logp, valid)  # [B, T]
     ratio = (live.detach() - masked(logp_old.detach(), valid)).exp()  # [B, T], detached
@@ -184,7 +185,8 @@ def policy_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """The surrogate `settings.loss`, reweighted by the correction `settings.correction`, aggregated.
 
-    logp, logp_old, logp_rollout, mask: [B, T]; advantages: [B] -> (loss scalar, metrics).
+    logp, logp_old, logp_rollout, mask: [B, T]; advantages: [B] (per sequence) or [B, T] (per token) ->
+    (loss scalar, metrics).
     w = correction(logp_old, logp_rollout)         # [B, T] detached (tis: clip(exp(logp_old - logp_rollout), 0, 2))
     loss = aggregate(w * loss_t, mask, aggregation, normalizer),  loss_t from POLICY_LOSSES[loss]
     `normalizer`: the denominator of a micro-batch's share of a larger batch (`aggregate`). Metrics, over valid
@@ -193,10 +195,13 @@ def policy_loss(
     """
     s = settings
     check_shapes(mask, logp=logp, logp_old=logp_old, logp_rollout=logp_rollout)
-    if advantages.shape != mask.shape[:1]:
-        raise ValueError(f"advantages must be [B] = [{mask.shape[0]}], got shape {tuple(advantages.shape)}")
+    if advantages.shape not in (mask.shape[:1], mask.shape):
+        raise ValueError(
+            f"advantages must be [B] = [{mask.shape[0]}] or [B, T] = {list(mask.shape)}, got {list(advantages.shape)}"
+        )
     valid = mask.bool()
-    adv = advantages.detach().to(logp.dtype).unsqueeze(1)  # [B, 1]
+    adv = advantages.detach().to(logp.dtype)
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else masked(adv, valid)  # [B, 1] or [B, T], 0 on padding
     surrogate = POLICY_LOSSES[s.loss]
     loss_t, clip_active, ratio = surrogate(logp, logp_old, adv, valid, s.clip_low, s.clip_high, **s.loss_options)
     w, metrics = correction_weights(logp_old, logp_rollout, mask, s.correction, **s.correction_options)

@@ -3,7 +3,8 @@ step's updates.
 
     loss, kl          summed over micro-batches: each is already that micro-batch's share of the mini-batch's loss
     batch ones        the step's rewards (before shaping) and response tokens (after masking)
-    per-token ones    weighted by each micro-batch's valid tokens, divided by the mini-batch's (all ranks)
+    per-token ones    weighted by each micro-batch's valid tokens, divided by the mini-batch's (all ranks); the
+                      optional ones (`distill_reverse_kl`, a run with a teacher) only where the loss reports them
     largest ones      maxima over micro-batches, ranks and the step's updates (`tis_max`)
 """
 
@@ -22,6 +23,8 @@ from workers.training.ranks import OneProcess
 
 LARGEST = ("tis_max",)
 TOKEN_METRICS = tuple(n for n in (*LOSS_METRICS, *CORRECTION_METRICS) if n not in LARGEST)
+OPTIONAL_TOKEN_METRICS = ("distill_reverse_kl",)
+"""Per-token metrics of a term only some runs have (the same on every rank of a run)."""
 
 
 class UpdateSums:
@@ -37,16 +40,20 @@ class UpdateSums:
         s["loss"] += float(loss.detach())
         for name in TOKEN_METRICS:
             s[name] += metrics[name] * tokens
+        for name in OPTIONAL_TOKEN_METRICS:
+            if name in metrics:
+                s[name] += metrics[name] * tokens
         for name in LARGEST:
             s[name] = max(s[name], metrics[name])
 
     def reduced(self, ranks: OneProcess, tokens: float) -> dict[str, float]:
         """The update's metrics over every rank; `tokens`: the mini-batch's valid tokens on all ranks."""
-        names = ["loss", "kl", *TOKEN_METRICS]
+        per_token = [*TOKEN_METRICS, *(n for n in OPTIONAL_TOKEN_METRICS if n in self.sums)]
+        names = ["loss", "kl", *per_token]
         values = ranks.sum([self.sums[n] for n in names])
         largest = ranks.max([self.sums[n] for n in LARGEST])
         out = dict(zip([*names, *LARGEST], [*values, *largest], strict=True))
-        for name in TOKEN_METRICS:
+        for name in per_token:
             out[name] /= max(tokens, 1.0)
         return out
 

@@ -9,6 +9,8 @@ updates on them (see `workers.training.microbatch` for how they are cut):
                                                                      # update (= logp.detach() with one update)
     for epoch, for mini-batch, accumulated over its micro-batches:
       logp      = token_logprobs(policy, ...)                        # with grad
+      A_t       = coef (logp_teacher - logp_rollout) + reward_coef A # per token, in a run with a teacher
+                                                                     # (`workers.training.distill`); else A
       loss      = policy_loss(logp, logp_old, logp_rollout, A)       # trainer.loss, reweighted by trainer.correction
                 + kl_coef * aggregate(kl_penalty(logp, logp_ref))    # when a reference is in the chain
       clip the gradient norm; AdamW update; lr schedule step
@@ -54,6 +56,7 @@ from workers.engines.base import MediaInputs
 from workers.training.advantages import group_advantages, shaped_rewards
 from workers.training.batch import Batch, make_batch, stale_masked, untrainable
 from workers.training.devices import compute_dtype, resolve_device
+from workers.training.distill import Advantages, DistillTerm, reward_advantages
 from workers.training.forward import forward_for
 from workers.training.losses import KlTerm, no_kl, normalizer_of
 from workers.training.media_policy import load_policy
@@ -114,6 +117,11 @@ class PolicyTrainer:
         """How micro-batches become log-probs (`workers.training.forward`), chosen here once."""
         self.loss_settings = LossSettings.of(cfg)
         self.kl_term = KlTerm(cfg.kl.coef, cfg.kl.kind, cfg.aggregation) if cfg.kl.coef > 0 else no_kl
+        teacher = config.teacher
+        self.advantages: Advantages = (
+            reward_advantages if teacher is None else DistillTerm(teacher.coef, teacher.reward_coef)
+        )
+        """The advantages of a micro-batch's tokens: the reward's, or with the teacher's per-token term."""
         self.optimizer = make_optimizer(self.model, cfg.optim.lr, cfg.optim.weight_decay)
         updates = cfg.steps * cfg.updates_per_step
         self.scheduler = make_scheduler(
@@ -136,6 +144,8 @@ class PolicyTrainer:
 
     def untrainable(self, group: TrainGroup) -> str | None:
         """Why `group` cannot go into a step (`workers.training.batch.untrainable`, and R3's routing), or None."""
+        if self.config.teacher is not None and group.teacher_logprobs is None:
+            return "no teacher log-probs in a run that distills from a teacher"
         return untrainable(group, self.vocab_size, self.max_tokens) or self.forward.problem(group)
 
     # ---- RL step -----------------------------------------------------------------------------------------
@@ -214,8 +224,10 @@ class PolicyTrainer:
     def _loss(
         self, mb: Batch, logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, normalizer: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """A micro-batch's share of the mini-batch's loss: the policy loss, plus the KL term against the reference
-        when the run has one (`trainer.kl.coef` > 0; its value then in the metrics' `kl`)."""
+        """A micro-batch's share of the mini-batch's loss: the policy loss (on the teacher's per-token advantages in
+        a run with a teacher), plus the KL term against the reference when the run has one (`trainer.kl.coef` > 0;
+        its value then in the metrics' `kl`)."""
+        adv, distilled = self.advantages(adv, mb.teacher_logp, mb.rollout_logp, mb.mask)
         loss, metrics = policy_loss(logp, logp_old, mb.rollout_logp, adv, mb.mask, self.loss_settings, normalizer)
         loss, kl = self.kl_term(loss, logp, mb.ref_logp, mb.mask, normalizer)
-        return loss, {**metrics, **kl}
+        return loss, {**metrics, **kl, **distilled}
