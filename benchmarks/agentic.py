@@ -73,7 +73,7 @@ from workers.envs.service import ServerLimits, serve_env
 from workers.roles.agent import Agent, record_key
 from workers.roles.episodes import EnvSessionLike, EpisodeRecord
 from workers.training.logprobs import token_logprobs
-from workers.training.warmup import demo_ids, sft_tensors
+from workers.training.supervised import demo_ids, sft_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny:128x2"

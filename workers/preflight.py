@@ -40,6 +40,15 @@ def _task(config: PipelineConfig, work_dir: Path, found: Found) -> None:
     found["task"] = load_task(task_spec(config.task))
 
 
+def _sft(config: PipelineConfig, work_dir: Path, found: Found) -> None:
+    """The supervised dataset mixed into RL (`trainer.sft`), if any, loads: its file is there, every line is an
+    example with an answer, and it has one at least."""
+    from workers.data.sft_dataset import sft_items
+
+    if config.trainer.sft is not None:
+        sft_items(config.trainer.sft.dataset)
+
+
 def _prompt_renders(config: PipelineConfig, work_dir: Path, found: Found) -> None:
     """The first prompt (a stand-in without the task) renders as the rollout role will, once the model loads."""
     from workers.data.models import load_tokenizer
@@ -89,6 +98,7 @@ Check = Callable[[PipelineConfig, Path, Found], None]
 CHECKS: dict[str, tuple[str, Check]] = {
     "model": ("model.source", _model),
     "task": ("task", _task),
+    "sft": ("trainer.sft.dataset", _sft),
     "prompt_format": ("model.prompt_format", _prompt_renders),
     "rewards": ("rewards", _rewards),
     "engine": ("rollout.engine", _engine),

@@ -344,7 +344,7 @@ ROLES: tuple[RoleDef, ...] = (
         nodes=lambda c: c.trainer.distributed.nnodes,
         ends_run=True,
         exits_when_done=True,
-        checks=("model", "task"),
+        checks=("model", "task", "sft"),
     ),
     RoleDef(
         "metrics",

@@ -24,7 +24,7 @@ from workers.data.tokenizer import build_byte_tokenizer
 from workers.envs.base import env_class, tools_of
 from workers.envs.formats import HermesFormat, prompt_tools
 from workers.roles.rollout import Rollout
-from workers.training.warmup import item_prompt
+from workers.training.supervised import item_prompt
 
 pytestmark = pytest.mark.unit
 

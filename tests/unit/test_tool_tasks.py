@@ -1,5 +1,5 @@
 """The agentic task's data: `tool_tasks.arithmetic` and its demonstrations, the warm-up's ids of a demonstration
-(`warmup.demo_ids`), and the final answer the reward role reads from an episode's ids (`reward.episode_answer`)."""
+(`supervised.demo_ids`), and the final answer the reward role reads from an episode's ids (`reward.episode_answer`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from workers.data.tasks import prompt_text
 from workers.data.tokenizer import EOS_ID, build_byte_tokenizer
 from workers.data.tool_tasks import OPERATIONS, arithmetic
 from workers.roles.reward import episode_answer
-from workers.training.warmup import _target, demo_ids
+from workers.training.supervised import demo_ids, item_target
 
 pytestmark = pytest.mark.unit
 
@@ -118,9 +118,9 @@ def test_demo_ids_are_the_segments_ids_then_eos_with_the_observation_untrained(t
 
 def test_the_warmup_target_of_an_item_is_its_clean_demonstration_or_its_answer(tok):
     item = arithmetic(digits=2, seed=0, limit=1)[0]
-    assert _target(tok, item) == demo_ids(tok, item.demos[0])
+    assert item_target(tok, item) == demo_ids(tok, item.demos[0])
     plain = arithmetic(digits=2, seed=0, limit=1, tool=False)[0]
-    ids, trained = _target(tok, plain)
+    ids, trained = item_target(tok, plain)
     assert ids[-1] == EOS_ID and tok.decode(ids[:-1]) == plain.answer and trained == [1] * len(ids)
 
 

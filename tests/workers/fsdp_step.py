@@ -1,4 +1,5 @@
-"""Run by test_fsdp under torchrun: one FSDP2 training step driven from rank 0, full state saved by rank 0."""
+"""Run by test_fsdp under torchrun: one FSDP2 training step driven from rank 0, full state saved by rank 0; with a third
+argument, supervised rows of that JSONL file mixed in (`trainer.sft`)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ from workers.training.distributed import DrivenTrainer, follow, world
 from workers.training.trainer import PolicyTrainer
 
 
-def main(model_dir: str, out: str) -> None:
+def main(model_dir: str, out: str, sft: str | None = None) -> None:
     torch.set_num_threads(1)
     init_distributed()
     rank, size = world()
     assert size == 2, size
-    trainer = PolicyTrainer(Path(model_dir), config())
+    trainer = PolicyTrainer(Path(model_dir), config(sft))
     if rank == 0:
         driven = DrivenTrainer(trainer)
         metrics = driven.step(batch_groups())
@@ -30,4 +31,4 @@ def main(model_dir: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

@@ -35,7 +35,7 @@ from workers.envs.formats import TagFormat
 from workers.roles.episodes import EpisodeRecord, Limits, group_version, run_episodes
 from workers.roles.reward import episode_answer
 from workers.training.logprobs import token_logprobs
-from workers.training.warmup import demo_ids, sft_tensors
+from workers.training.supervised import demo_ids, sft_tensors
 
 pytestmark = [pytest.mark.workers, pytest.mark.timeout(300)]
 

@@ -1,7 +1,9 @@
-"""FSDP2 across two torchrun ranks computes the same update as one process."""
+"""FSDP2 across two torchrun ranks computes the same update as one process, with and without supervised rows mixed in
+(`trainer.sft`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -19,7 +21,8 @@ pytestmark = [pytest.mark.workers, pytest.mark.timeout(180)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def config() -> PipelineConfig:
+def config(sft: str | None = None) -> PipelineConfig:
+    """The run; with `sft`, a JSONL dataset whose 3 rows per update the ranks share 2 and 1 (`sft_dataset`)."""
     return parse_config(
         {
             "run": "fsdp",
@@ -31,9 +34,18 @@ def config() -> PipelineConfig:
             "trainer": {
                 "optim": {"lr": 1e-2, "grad_clip": 1e9},
                 "compute": {"micro_batch_tokens": 16, "shared_prompt": False},
+                "sft": None if sft is None else {"dataset": sft, "coef": 0.5, "batch_size": 3},
             },
         }
     )
+
+
+def sft_dataset(path: Path) -> Path:
+    """Four additions of unequal lengths: the ranks' shares hold unequal token counts, which must weigh as in one
+    process."""
+    answers = [("1+1=", "2"), ("12+30=", "42"), ("7+5=", "12"), ("100+250=", "350")]
+    path.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in answers))
+    return path
 
 
 def batch_groups() -> list[TrainGroup]:
@@ -67,9 +79,11 @@ def batch_groups() -> list[TrainGroup]:
     return groups
 
 
-def test_two_rank_fsdp2_step_matches_one_process(tmp_path):
+@pytest.mark.parametrize("mixed", [False, True], ids=["rl", "rl+sft"])
+def test_two_rank_fsdp2_step_matches_one_process(tmp_path, mixed):
     model_dir = materialize("tiny:64x2", tmp_path / "base", seed=0)
     out = tmp_path / "fsdp.pt"
+    sft = str(sft_dataset(tmp_path / "sft.jsonl")) if mixed else None
     cmd = [
         sys.executable,
         "-m",
@@ -79,6 +93,7 @@ def test_two_rank_fsdp2_step_matches_one_process(tmp_path):
         str(ROOT / "tests" / "workers" / "fsdp_step.py"),
         str(model_dir),
         str(out),
+        *([sft] if sft else []),
     ]
     result = subprocess.run(
         cmd,
@@ -91,12 +106,14 @@ def test_two_rank_fsdp2_step_matches_one_process(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     sharded = torch.load(out, weights_only=True)
 
-    single = PolicyTrainer(model_dir, config())
+    single = PolicyTrainer(model_dir, config(sft))
     before = {k: v.clone() for k, v in single.model.state_dict().items()}
     metrics = single.step(batch_groups())
     after = single.model.state_dict()
     assert abs(metrics["reward_mean"] - sharded["metrics"]["reward_mean"]) < 1e-9
     assert abs(metrics["grad_norm"] - sharded["metrics"]["grad_norm"]) < 1e-4  # the same global gradient
+    if mixed:
+        assert abs(metrics["sft_loss"] - sharded["metrics"]["sft_loss"]) < 1e-5  # the same rows, the same mean
     changed = 0
     for name, tensor in after.items():
         # Adam's first step moves each weight by about lr = 1e-2; float reduction order differs by ~1e-5.

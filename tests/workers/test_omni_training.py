@@ -22,8 +22,9 @@ from workers.omni.prompts import MediaPrompter
 from workers.roles.rollout import sample_of
 from workers.training.batch import make_batch
 from workers.training.media_policy import media_rows_logprobs
+from workers.training.supervised import item_prompt
 from workers.training.trainer import PolicyTrainer
-from workers.training.warmup import item_prompt, run_warmup
+from workers.training.warmup import run_warmup
 
 pytestmark = pytest.mark.workers
 

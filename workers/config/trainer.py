@@ -1,5 +1,5 @@
 """The trainer section: optimisation, the algorithm plug-ins (advantage estimator, loss, off-policy correction;
-one model per type, docs/algorithms.md), overlong shaping, warm-up, simulation."""
+one model per type, docs/algorithms.md), overlong shaping, warm-up, supervised rows mixed into RL, simulation."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from workers.config.trainer_sections import (
     MoeConfig,
     OptimConfig,
     ScheduleConfig,
+    SftConfig,
 )
 
 
@@ -294,6 +295,8 @@ class TrainerConfig(Section):
     """Seed of the trainer's own randomness (warm-up order)."""
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
     """Supervised warm-up before RL."""
+    sft: SftConfig | None = None
+    """Supervised rows mixed into every optimizer update (`{dataset: ..., coef: ..., batch_size: ...}`); null: off."""
     simulate: SimTrainerConfig | None = None
     """Replace each optimizer update by a timed sleep (benchmarks of scheduling and the bus); the published
     weights then stay those the actor started with."""

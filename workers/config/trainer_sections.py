@@ -127,3 +127,20 @@ class MoeConfig(Section):
     """With `r3`: the fraction of each micro-batch's rows (at least one) forwarded once more without replay in a
     step's first update, for `routing_mismatch_free`, the mismatch the trainer would have had without R3; 0 skips
     that forward (and the metric), which on tiny-moe costs about 10 % of a step (docs/r3.md)."""
+
+
+class SftConfig(Section):
+    """Supervised rows mixed into RL: every optimizer update adds `coef` x the mean token cross-entropy of
+    `batch_size` examples' answers (prompt tokens masked) to its RL loss (docs/algorithms.md)."""
+
+    dataset: str = Field(min_length=1)
+    """A JSONL file of examples, one per line: `{"prompt": ..., "answer": ...}` (a `jsonl` task's line with its
+    answer) or `{"messages": [...]}` ending in the assistant's answer; on every machine that runs a trainer rank
+    (relative paths: to the worker's directory). A missing, empty or bad file is refused before the run starts."""
+    coef: float = Field(default=0.1, gt=0)
+    """Weight of the supervised loss against the RL loss of each update."""
+    batch_size: int = Field(default=8, ge=1)
+    """Examples per optimizer update, the next ones in the seeded order (shared out among FSDP2 ranks)."""
+    seed: int = 0
+    """Seed of the order: each pass over the dataset is a fresh permutation; the update count, which checkpoints
+    hold, says where in it an update is, so a restarted actor continues the order."""

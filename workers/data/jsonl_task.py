@@ -49,7 +49,7 @@ def jsonl(
         if not line.strip():
             continue
         try:
-            parts, answer, name = _parse_record(line, file.parent, root)
+            parts, answer, name = parse_record(line, file.parent, root)
         except ValueError as err:
             errors.append((lineno, _describe(err)))
             continue
@@ -109,7 +109,7 @@ def read_inside(path: str | Path, root: Path | None) -> bytes:
         return f.read()
 
 
-def _parse_record(line: str, base: Path, root: Path) -> tuple[tuple[Part, ...], str | None, str | None]:
+def parse_record(line: str, base: Path, root: Path) -> tuple[tuple[Part, ...], str | None, str | None]:
     """Parts, answer and task name of one JSONL line; ValueError says what is wrong with it."""
     try:
         record = json.loads(line)

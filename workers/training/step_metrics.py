@@ -6,6 +6,7 @@ step's updates.
     per-token ones    weighted by each micro-batch's valid tokens, divided by the mini-batch's (all ranks); the
                       optional ones (`distill_reverse_kl`, a run with a teacher) only where the loss reports them
     largest ones      maxima over micro-batches, ranks and the step's updates (`tis_max`)
+    summed ones       seconds of the step's updates, summed over them (`sft_s`)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from workers.training.policy_losses import LOSS_METRICS
 from workers.training.ranks import OneProcess
 
 LARGEST = ("tis_max",)
+SUMMED = ("sft_s",)
 TOKEN_METRICS = tuple(n for n in (*LOSS_METRICS, *CORRECTION_METRICS) if n not in LARGEST)
 OPTIONAL_TOKEN_METRICS = ("distill_reverse_kl",)
 """Per-token metrics of a term only some runs have (the same on every rank of a run)."""
@@ -73,7 +75,11 @@ class StepSums:
                 self.totals[name] += value
 
     def means(self, updates: int) -> dict[str, float]:
-        return {**{name: value / updates for name, value in self.totals.items()}, **self.largest}
+        """The step's metrics: means over its `updates`, maxima for the largest ones, sums for the summed ones."""
+        return {
+            **{name: value if name in SUMMED else value / updates for name, value in self.totals.items()},
+            **self.largest,
+        }
 
 
 def batch_metrics(batch: Batch) -> dict[str, float]:

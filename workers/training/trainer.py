@@ -35,7 +35,8 @@ FSDP2 (`fully_shard`) and each rank takes its share of each mini-batch; the loss
 whole mini-batch on every rank, so tokens weigh as in one process whatever the ranks hold.
 
 The checkpoints of model, optimizer and schedule are `self.checkpoints` (`workers.checkpoints`); the supervised
-warm-up before RL is `workers.training.warmup`, which uses the trainer.
+warm-up before RL is `workers.training.warmup`, which uses the trainer. With `trainer.sft` each update also takes a
+supervised term on a dataset's rows (`workers.training.sft_mix`), added to its gradient before the clip.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from workers.training.optim import make_optimizer, make_scheduler
 from workers.training.policy_losses import LossSettings, policy_loss
 from workers.training.ranks import ranks_for
 from workers.training.routing_replay import TrainerRouting
+from workers.training.sft_mix import sft_mix_for
 from workers.training.step_metrics import StepSums, UpdateSums, batch_metrics
 
 log = get_logger(__name__)
@@ -129,6 +131,8 @@ class PolicyTrainer:
         )
         self.checkpoints = TrainerCheckpoints(self.model, self.optimizer, self.scheduler, self.rank, self.world)
         """Model, optimizer and schedule in and out (`workers.checkpoints`)."""
+        self.sft = sft_mix_for(self)
+        """The supervised term of each update (`trainer.sft`; `workers.training.sft_mix`), or none."""
 
     def autocast(self) -> Any:
         """The precision context of a forward pass (one process; FSDP2 casts by its policy)."""
@@ -216,10 +220,11 @@ class PolicyTrainer:
             (loss * self.ranks.loss_scale).backward()  # FSDP2 averages gradients over ranks
             sums.add(loss, metrics, float(mb.mask.sum()))
         self.ranks.empty_passes(self.model, plan.padding, backward=True)
+        sft = self.sft.backward(self.scheduler.last_epoch)  # the supervised rows of this update (trainer.sft)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
-        return {**sums.reduced(self.ranks, tokens), "grad_norm": self.ranks.scalar(grad_norm)}
+        return {**sums.reduced(self.ranks, tokens), "grad_norm": self.ranks.scalar(grad_norm), **sft}
 
     def _loss(
         self, mb: Batch, logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, normalizer: float

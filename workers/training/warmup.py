@@ -2,6 +2,7 @@
 
 A random or weak model earns no reward, so RL has no signal: a few supervised steps on the task's
 reference answers (prompt rendered like the rollout role renders it, answer then EOS) start it off.
+The rows are built by `workers.training.supervised`, as are those mixed into RL updates (`trainer.sft`).
 Everything here runs on every FSDP2 rank alike (`workers.training.distributed.warm_up` mirrors `run_warmup`).
 """
 
@@ -15,37 +16,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from relax_bus.log import get_logger
-from workers.data.prompts import answer_ids, prompt_ids
-from workers.data.task_items import Demo
-from workers.data.tasks import TaskItem, prompt_text
-from workers.envs.formats import prompt_tools
+from workers.data.tasks import TaskItem
 from workers.omni.group_forward import sample_after
-from workers.omni.media_refs import has_media
-from workers.training.logprobs import token_logprobs
-from workers.training.media_policy import media_rows_logprobs
+from workers.training.supervised import Prompt, Target, demo_ids, item_prompt, item_target, supervised_logprobs
 
 if TYPE_CHECKING:
-    from workers.engines.base import MediaInputs
     from workers.training.trainer import PolicyTrainer
 
 log = get_logger(__name__)
-
-
-Prompt = tuple[list[int], "MediaInputs | None"]
-"""A prompt's ids and, for a media prompt of a multimodal policy, its processor tensors."""
-
-
-def item_prompt(trainer: PolicyTrainer, item: TaskItem) -> Prompt:
-    """The item's prompt, as the rollout role renders it (media through the policy's processor)."""
-    if trainer.prompter is not None and has_media(item.parts):
-        inputs = trainer.prompter.inputs(item.parts)
-        return inputs["input_ids"][0].tolist(), inputs
-    config = trainer.config
-    model = config.model
-    text = prompt_text(item.parts)
-    tools = prompt_tools(config.agent)
-    ids = prompt_ids(trainer.tokenizer, text, model.prompt_format, model.system_prompt, item.history, tools)
-    return ids, None
 
 
 def run_warmup(
@@ -63,7 +41,7 @@ def run_warmup(
     wcfg = trainer.cfg.warmup
     tok = trainer.tokenizer
     examples: list[tuple[Prompt, Target]] = [
-        (item_prompt(trainer, it), _target(tok, it)) for it in items if it.answer is not None or it.demos
+        (item_prompt(trainer, it), item_target(tok, it)) for it in items if it.answer is not None or it.demos
     ]
     noisy: list[tuple[Target, ...]] = [
         tuple(demo_ids(tok, d) for d in it.demos[1:]) for it in items if it.answer is not None or it.demos
@@ -111,60 +89,9 @@ def run_warmup(
     return {"warmup_steps": float(step + wcfg.noise_steps), "warmup_accuracy": accuracy}
 
 
-Target = tuple[list[int], list[int]]
-"""A supervised target after a prompt: its token ids and, per id, 1 when trained (0: an observation's, context)."""
-
-
-def _target(tokenizer: Any, item: TaskItem) -> Target:
-    """The clean target of an item: its first demonstration, or its answer then EOS."""
-    if item.demos:
-        return demo_ids(tokenizer, item.demos[0])
-    assert item.answer is not None
-    ids = answer_ids(tokenizer, item.answer)
-    return ids, [1] * len(ids)
-
-
-def demo_ids(tokenizer: Any, demo: Demo) -> Target:
-    """A demonstration's ids, segment by segment as the rollout appends them, then EOS; and which are trained."""
-    ids: list[int] = []
-    trained: list[int] = []
-    for text, train in demo:
-        part = [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
-        ids += part
-        trained += [int(train)] * len(part)
-    ids.append(int(tokenizer.eos_token_id))
-    trained.append(1)
-    return ids, trained
-
-
-def sft_tensors(rows: Sequence[tuple[list[int], Target]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(prompt ids, target) rows as right-padded ids [N, T], attention [N, T] and the mask of the trained target
-    tokens [N, T-1], aligned with `token_logprobs` (the logit at t predicts token t+1)."""
-    seqs = [p + a for p, (a, _) in rows]
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    attention = torch.zeros_like(ids)
-    mask = torch.zeros(len(seqs), width - 1)
-    for row, ((p, (_, trained)), s) in enumerate(zip(rows, seqs, strict=True)):
-        ids[row, : len(s)] = torch.tensor(s)
-        attention[row, : len(s)] = 1
-        mask[row, len(p) - 1 : len(s) - 1] = torch.tensor(trained, dtype=mask.dtype)
-    return ids, attention, mask
-
-
 def _sft_step(trainer: PolicyTrainer, opt: torch.optim.Optimizer, chosen: Sequence[tuple[Prompt, Target]]) -> float:
     """One supervised step: mean token log-loss of the targets' trained tokens after their prompts."""
-    ids, attention, mask = sft_tensors([(p, target) for (p, _), target in chosen])
-    device = trainer.device
-    with trainer.autocast():
-        if trainer.prompter is not None:
-            media = [m for (_, m), _ in chosen]
-            logp = media_rows_logprobs(
-                trainer.model, ids.to(device), attention.to(device), media, range(len(chosen)), 1.0
-            )
-        else:
-            logp = token_logprobs(trainer.model, ids.to(device), attention.to(device))
-    mask = mask.to(device)
+    logp, mask = supervised_logprobs(trainer, chosen)
     loss = -(logp * mask).sum() / mask.sum()
     opt.zero_grad(set_to_none=True)
     loss.backward()
