@@ -23,6 +23,7 @@ from relax_bus.ops.arguments import (
     CONFIG_HELP,
     LOG_LEVELS,
     Command,
+    NoAbbrevParser,
     config_with_overrides,
     connection_settings,
     size,
@@ -50,8 +51,8 @@ class _VersionAction(argparse.Action):
 
 def build_parser() -> tuple[argparse.ArgumentParser, Any]:
     """The parser with the bus's subcommands, and its subparsers (to add more to)."""
-    p = argparse.ArgumentParser(
-        prog="relax", description="Relax-bus: asynchronous RL post-training over NATS JetStream."
+    p = NoAbbrevParser(
+        prog="relax", description="Relax-bus: asynchronous RL post-training over NATS JetStream.", allow_abbrev=False
     )
     p.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
     p.add_argument("--version", action=_VersionAction, help="print the version and the pinned nats-server's, and exit")
