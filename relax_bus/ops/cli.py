@@ -267,7 +267,8 @@ def _decode_each(inputs: list[bytes], lines: bool, indent: int | None) -> int:
             print(f"relax: error: {where}{err}", file=sys.stderr)
             status = 2
             continue
-        print(json.dumps(out, indent=indent, default=str), flush=True)
+        # strict JSON: NaN and +-infinity are null already (`message_json`); one left would raise, not print
+        print(json.dumps(out, indent=indent, default=str, allow_nan=False), flush=True)
         if warning:
             print(f"relax: warning: {where}{warning}", file=sys.stderr)
             status = max(status, 1)
