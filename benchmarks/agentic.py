@@ -583,7 +583,9 @@ def report(out: dict[str, Any], servers: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--prompts", type=int, default=32, help="prompt groups per batch (default 32)")
     p.add_argument("--samples", type=int, default=8, help="episodes per prompt group (default 8)")
     p.add_argument("--latencies", default="0,50,200", help="tool latencies to compare, ms per step")

@@ -98,7 +98,7 @@ def summarise(name: str, rows: list[dict[str, float]], last: int, threshold: flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--rows", default="all", help=f"comma-separated names, or all: {', '.join(ROWS)}")
     parser.add_argument("--last", type=int, default=10)

@@ -288,7 +288,9 @@ async def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--configs", default="demo,large", help="configurations (default demo,large)")
     p.add_argument("--repeat", type=int, default=5, help="steps timed per configuration; median kept (default 5)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "bus_overhead.json"))

@@ -165,7 +165,9 @@ def rates(result: dict[str, float], items: int, size: int) -> dict[str, float]:
 
 
 async def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--small", type=int, default=20000, help="1 KiB messages per side (default 20000)")
     p.add_argument("--large", type=int, default=400, help="256 KiB messages per side (default 400)")
     p.add_argument("--blob-mib", type=int, default=64, help="blob size in MiB (default 64)")

@@ -144,7 +144,9 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--workers", default="1,4,16", help="simulated rollout workers (default 1,4,16)")
     p.add_argument("--modes", default="0,1,2,unbounded", help="max_staleness values (default 0,1,2,unbounded)")
     p.add_argument("--unit", type=float, default=1.0, help="seconds of one synchronous step (default 1.0)")

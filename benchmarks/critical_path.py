@@ -164,7 +164,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 async def main() -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--configs", default="demo,demo-ahead,demo-sharded,smollm2-shm,smollm2-shm-sharded")
     parser.add_argument("--steps", type=int, default=40, help="GRPO steps of the demo run")
     parser.add_argument("--smollm2-steps", type=int, default=12)
@@ -184,7 +184,7 @@ async def main() -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    cli = argparse.ArgumentParser(add_help=False)
+    cli = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
     cli.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "critical_path.json"))
     known, _ = cli.parse_known_args()
     result = asyncio.run(main())

@@ -115,7 +115,7 @@ async def measure(mb: int, rounds: int, paths: list[str]) -> dict[str, list[floa
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batches", default="4,16,64", help="chunks per direct-get request")

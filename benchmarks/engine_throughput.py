@@ -115,7 +115,9 @@ def bench_model(source: str, args: argparse.Namespace, work: Path) -> dict[str, 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--models", default="tiny:128x2,tiny:512x4", help="comma-separated tiny model sources")
     p.add_argument("--prompts", type=int, default=32, help="prompts per generate call (default 32)")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt (default 8)")

@@ -150,7 +150,7 @@ def attempt(rows: list[dict[str, Any]], case: str, fn: Callable[[], dict[str, An
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument(
         "--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"), help="a real model directory ('' for none)"

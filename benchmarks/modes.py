@@ -220,7 +220,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=120, help="optimizer steps per run (default 120)")
     p.add_argument("--long", action="store_true", help="250 steps per run, as in the demo")
     p.add_argument("--modes", default="0,1,2,unbounded", help="max_staleness values (default 0,1,2,unbounded)")

@@ -61,7 +61,7 @@ async def measure(mb: int, rounds: int, reads_kib: list[int]) -> dict[int, list[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reads", default="32,256,1024,4096", help="read sizes in KiB")

@@ -216,9 +216,11 @@ async def host(url: str, run: str, workers: int, work_dir: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
-    h = sub.add_parser("host", help="host several rollout workers in one process")
+    h = sub.add_parser("host", allow_abbrev=False, help="host several rollout workers in one process")
     h.add_argument("--nats-url", required=True)
     h.add_argument("--run", required=True)
     h.add_argument("--workers", type=int, required=True)

@@ -139,7 +139,9 @@ async def compare(url: str, ack_waits: list[float], messages: int, hold_for: flo
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--ack-wait", type=float, nargs="+", default=[60.0, 15.0, 10.0, 5.0], help="seconds to compare")
     p.add_argument("--messages", type=int, default=4, help="messages the killed worker holds (default 4)")
     p.add_argument("--hold", type=float, default=1.5, help="how long the worker holds them, x ack_wait (default 1.5)")

@@ -117,7 +117,9 @@ def by_role(busy: dict[str, float]) -> dict[str, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--workers", default="1x1,2x1,4x1,4x4", help="rollout x reward processes (default 1x1,2x1,4x1,4x4)")
     p.add_argument("--groups", type=int, default=3200, help="groups per run (default 3200)")
     p.add_argument("--groups-per-step", type=int, default=32, help="groups per step (default 32)")

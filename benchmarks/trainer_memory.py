@@ -133,7 +133,7 @@ def _slope(xs: list[int], ys: list[float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
     p.add_argument("--budgets", default="512,1024,2048,4096,8192,16384")
     p.add_argument("--rows", type=int, default=64)

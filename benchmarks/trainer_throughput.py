@@ -130,7 +130,7 @@ def trainer(model_dir: Path, groups: list[TrainGroup], lr: float, budget: int | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--samples", type=int, default=8)

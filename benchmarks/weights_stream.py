@@ -169,7 +169,9 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--sizes", default="100,500", help="state dict sizes in MB (default 100,500)")
     p.add_argument("--repeat", type=int, default=3, help="rounds per size; medians are kept (default 3)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "weights_stream.json"))

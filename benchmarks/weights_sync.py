@@ -282,7 +282,9 @@ def row(size: int, nbytes: int, best: dict[str, dict[str, float]], copy_s: float
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--sizes", default="10,100,500", help="state dict sizes in MB (default 10,100,500)")
     p.add_argument("--receivers", default="1,2,4", help="readers of each broadcast case (default 1,2,4)")
     p.add_argument("--repeat", type=int, default=3, help="rounds per size; the best is kept (default 3)")

@@ -2,17 +2,48 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
+from relax_bus import log
 from schemas import Message
 
 if TYPE_CHECKING:
     from relax_bus.topology import StreamSpec
+
+_ROLE_WORKER_ID: ContextVar[str | None] = ContextVar("relax_role_worker_id", default=None)
+"""The worker id of the role process this runs in (`role_worker`), which its loops take."""
+
+
+def new_worker_id() -> str:
+    """The worker id of the role this runs in (`role_worker`), else a fresh one."""
+    return _ROLE_WORKER_ID.get() or _fresh_worker_id()
+
+
+def _fresh_worker_id() -> str:
+    """`<host>-<pid>-<6 hex digits>`: unique, and says where the worker runs."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@contextlib.contextmanager
+def role_worker(run: str, role: str) -> Iterator[str]:
+    """Run the block as one worker of `role` in `run`: a worker id of its own, which the loops created in the block
+    take (their heartbeat key, `relax inspect`'s worker), and `run`, `role` and `worker` on every log event of it
+    (`relax_bus.log.bound`). A role process has one loop that runs for its role, so one id says who it is."""
+    worker_id = _fresh_worker_id()
+    token = _ROLE_WORKER_ID.set(worker_id)
+    try:
+        with log.bound(run=run, role=role, worker=worker_id):
+            yield worker_id
+    finally:
+        _ROLE_WORKER_ID.reset(token)
+
 
 In = TypeVar("In", bound=Message)
 HandlerResult = Message | Sequence[Message] | None
@@ -72,4 +103,6 @@ class WorkerOptions:
     """On stop, how long in-flight handlers may take before they are cancelled and their messages nak'd."""
     retry_backoff_s: tuple[float, ...] = (0.5, 2.0, 5.0, 10.0)
     """Redelivery delay after an unexpected handler failure, by delivery count."""
-    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    worker_id: str = field(default_factory=new_worker_id)
+    """Who this worker is: `<role>.<worker_id>` keys its heartbeat. Default: the role process's (`role_worker`),
+    else a fresh one."""

@@ -8,12 +8,20 @@ stderr, vLLM to stdout, torch to stderr): their loggers are adopted, that is kep
 and propagating to the root logger's one handler, whether the library is imported before or after.
 On a terminal the rendering is as before: structlog's console lines, and `name: message` for the
 libraries.
+
+Every event of a role says whose it is: a role process binds `run` and `role` as it starts (`relax worker`),
+and each loop of the bus that runs for a role binds `worker`, its worker id (the one its heartbeat and
+`relax inspect` show), while it runs (`relax_bus.loop`, with `bound`). They reach every event logged in that
+context (`merge_contextvars`), off a terminal the libraries' records too; the tasks and `asyncio.to_thread`
+calls started from it inherit them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 from typing import Any, TextIO
 
 import structlog
@@ -128,3 +136,12 @@ def configure(level: str = "info", json: bool | None = None) -> None:
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:
     """A structlog logger named `name` (the `logger` key of its JSON lines)."""
     return structlog.get_logger(name)  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def bound(**fields: str) -> Iterator[None]:
+    """Add `fields` to every log event emitted in this context until the block ends: this task's, and those of
+    the tasks and `asyncio.to_thread` calls it starts meanwhile (`structlog.contextvars`). A field given to the
+    event itself wins over a bound one."""
+    with structlog.contextvars.bound_contextvars(**fields):
+        yield

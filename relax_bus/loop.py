@@ -10,6 +10,8 @@ progress, the feeder's dead-letter credit, `relax_bus.follow`). What they share 
   the role says it works with. `run` keeps it for as long as the loop runs; `alive()` starts it earlier,
   for a role whose setup takes long (a trainer's warm-up). A loop that runs for no role (a follower
   inside another role's process, or the launcher's) keeps none: its process beats for itself;
+- the log context: while the heartbeat runs, every log event of the loop (and of the role's code it calls)
+  carries `run`, `role` and `worker`, the loop's worker id (`relax_bus.log.bound`);
 - stopping: `stop()` asks the loop to wind down, and `run(stop=event)` does so when the role's stop event
   is set (SIGTERM in `relax worker`), the one way a role runs its loop until told; with
   `handle_signals`, SIGTERM and SIGINT stop it directly.
@@ -28,6 +30,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 
+from relax_bus import log
 from relax_bus.bus import Bus
 from relax_bus.cancel import cancel_and_wait
 from relax_bus.delivery import Counters, WorkerOptions
@@ -90,10 +93,18 @@ class Loop:
             await through_outage(heartbeat.beat, "write the first heartbeat")  # idempotent: a KV put of our own key
             heartbeat.start()
         try:
-            yield
+            with self.log_context():
+                yield
         finally:
             if heartbeat is not None and starts:
                 await heartbeat.stop(remove=True)
+
+    def log_context(self) -> contextlib.AbstractContextManager[None]:
+        """`run`, `role` and `worker` (this loop's id) on every log event of the block, for a loop that runs for a
+        role; nothing for one that does not (its process's role says whose its events are)."""
+        if self.beats_as is None:
+            return contextlib.nullcontext()
+        return log.bound(run=self.bus.run, role=self.beats_as, worker=self.worker_id)
 
     @contextlib.asynccontextmanager
     async def running(self, *, stop: asyncio.Event | None = None, handle_signals: bool = False) -> AsyncIterator[None]:

@@ -23,6 +23,16 @@ OVERRIDES_HELP = (
 )
 
 
+class NoAbbrevParser(argparse.ArgumentParser):
+    """An argparse parser that takes flags only as spelled: `relax run CONFIG --step 3` is an error, not
+    `--steps 3` (`allow_abbrev=False`). Its subcommands' parsers are of this class too (argparse builds them
+    with the parent's), so no level of `relax` takes an abbreviation."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def with_overrides(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `section.key=value ...` positionals a command that reads CONFIG takes after it."""
     sp.add_argument("overrides", nargs="*", metavar="section.key=value", help=OVERRIDES_HELP)

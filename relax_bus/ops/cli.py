@@ -23,6 +23,7 @@ from relax_bus.ops.arguments import (
     CONFIG_HELP,
     LOG_LEVELS,
     Command,
+    NoAbbrevParser,
     config_with_overrides,
     connection_settings,
     size,
@@ -50,8 +51,8 @@ class _VersionAction(argparse.Action):
 
 def build_parser() -> tuple[argparse.ArgumentParser, Any]:
     """The parser with the bus's subcommands, and its subparsers (to add more to)."""
-    p = argparse.ArgumentParser(
-        prog="relax", description="Relax-bus: asynchronous RL post-training over NATS JetStream."
+    p = NoAbbrevParser(
+        prog="relax", description="Relax-bus: asynchronous RL post-training over NATS JetStream.", allow_abbrev=False
     )
     p.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
     p.add_argument("--version", action=_VersionAction, help="print the version and the pinned nats-server's, and exit")
@@ -266,7 +267,8 @@ def _decode_each(inputs: list[bytes], lines: bool, indent: int | None) -> int:
             print(f"relax: error: {where}{err}", file=sys.stderr)
             status = 2
             continue
-        print(json.dumps(out, indent=indent, default=str), flush=True)
+        # strict JSON: NaN and +-infinity are null already (`message_json`); one left would raise, not print
+        print(json.dumps(out, indent=indent, default=str, allow_nan=False), flush=True)
         if warning:
             print(f"relax: warning: {where}{warning}", file=sys.stderr)
             status = max(status, 1)

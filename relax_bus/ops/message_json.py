@@ -10,9 +10,10 @@ Input is recognised by its first byte: a msgpack map starts with 0x80-0x8f, 0xde
 JSON with `{`. `--lines` reads one message per line instead, each a base64 body or such a JSON object,
 and writes one JSON line each (`nats stream view --raw` is no such input: it prints raw bytes with a
 newline after each message, and a msgpack body may itself hold newline bytes). Bytes fields (tensor
-data) come out as base64 strings. A claim-checked message has an empty body and names an object of
-the run's media store in its headers; its JSON form says which, and the object's bytes, fetched with
-`nats object get`, decode like any body.
+data) come out as base64 strings. The output is strict JSON (RFC 8259, what `jq` and `JSON.parse` read): a
+float that is NaN or infinite (the `warmup_accuracy` of a run without warm-up, say) comes out as `null`. A
+claim-checked message has an empty body and names an object of the run's media store in its headers; its
+JSON form says which, and the object's bytes, fetched with `nats object get`, decode like any body.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 from typing import Any
 
 import msgpack
@@ -110,6 +112,9 @@ def _headers(block: bytes) -> dict[str, str]:
 
 
 def _jsonable(value: Any) -> Any:
+    """`value` with bytes as base64 and NaN and +-infinity as None: JSON has neither."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
     if isinstance(value, bytes | bytearray | memoryview):
         return base64.b64encode(bytes(value)).decode()
     if isinstance(value, dict):

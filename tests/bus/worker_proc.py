@@ -20,7 +20,7 @@ from workers.config import PipelineConfig
 
 
 async def main() -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--nats-url", required=True)
     p.add_argument("--run", required=True)
     p.add_argument("--log", required=True)

@@ -417,7 +417,7 @@ def _attack_of(subject: str) -> str:
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--env", type=Path, required=True)
     parser.add_argument("--url", required=True)

@@ -8,6 +8,7 @@ afterwards from the run's own NATS store (runs/<run>/nats), served by a fresh se
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import os
 import re
@@ -40,11 +41,21 @@ class RelaxRun:
 
     def __init__(self, tmp_path: Path, **overrides: object) -> None:
         self.config = parse_config(small_config(run_id(), **overrides))
-        path = tmp_path / "run.yaml"
-        path.write_text(yaml.safe_dump(self.config.model_dump(mode="json", exclude={"chain"})))
+        self.path = tmp_path / "run.yaml"
+        self.path.write_text(yaml.safe_dump(self.config.model_dump(mode="json", exclude={"chain"})))
         self.run_dir = tmp_path / "run"
+        self._start()
+
+    def again(self) -> RelaxRun:
+        """The same `relax run CONFIG --run-dir DIR` started again, once this one has ended (a re-run resumes)."""
+        assert self.proc.poll() is not None, "the first relax run is still running"
+        twin = copy.copy(self)
+        twin._start()
+        return twin
+
+    def _start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "workers.cli", "run", str(path), "--run-dir", str(self.run_dir)],
+            [sys.executable, "-m", "workers.cli", "run", str(self.path), "--run-dir", str(self.run_dir)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

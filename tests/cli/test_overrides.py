@@ -1,12 +1,15 @@
 """`section.key=value` overrides: the parser and deep merge (unit), and `relax config show / init / run` with them."""
 
+import argparse
 import json
+from collections.abc import Iterator
 
 import pytest
 
 from relax_bus.errors import ConfigError
 from relax_bus.overrides import apply_overrides, parse_overrides, parse_value
 from tests.cli.test_cli import assert_one_line_error, relax, write_config
+from workers.cli import _parser
 
 BASE = "run: ovr\ngroups_per_step: 4\nrollout: {engine: torch, max_new_tokens: 8}\ntrainer: {steps: 5}\n"
 
@@ -136,6 +139,34 @@ def test_run_takes_overrides_and_its_flags_are_overrides_that_win(tmp_path):
     out = relax("run", cfg, "--run-id", "bad id!", "trainer.lrr=1", "--run-dir", str(tmp_path / "r"))
     assert_one_line_error(out, "run: String should match pattern", "trainer.lrr: unknown setting")
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.cli
+def test_an_abbreviated_flag_is_refused_not_expanded(tmp_path):
+    cfg = write_config(tmp_path, BASE)
+    out = relax("run", cfg, "--run-dir", str(tmp_path / "r"), "--step", "3")  # not `--steps 3`
+    assert out.returncode == 2, out
+    assert out.stderr.splitlines()[-1] == "relax: error: unrecognized arguments: --step 3", out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "r").exists()
+
+
+def _parsers(parser: argparse.ArgumentParser) -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """`parser` and the parsers of its subcommands at every depth, by their `prog`."""
+    yield parser.prog, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+@pytest.mark.unit
+def test_no_level_of_the_relax_command_takes_an_abbreviated_flag():
+    parsers = dict(_parsers(_parser()))
+    assert {"relax run", "relax config show", "relax env serve", "relax model import-gguf"} <= set(parsers)
+    assert [prog for prog, p in parsers.items() if p.allow_abbrev] == []
+    with pytest.raises(SystemExit) as exit_:
+        _parser().parse_args(["export", "r1", "--ou", "d"])
+    assert exit_.value.code == 2
 
 
 @pytest.mark.cli

@@ -57,15 +57,20 @@ def merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 def role_events(role: RoleProcess, name: str) -> list[dict[str, Any]]:
-    """The events called `name` in a role's JSON log (every incarnation), oldest first. A line cut short by a
-    SIGKILL, or any other text, is skipped."""
+    """The events called `name` in a role's JSON log (every incarnation), oldest first."""
+    return [e for e in log_events(role.log_path) if e.get("event") == name]
+
+
+def log_events(path: Path) -> list[dict[str, Any]]:
+    """Every event of a role's JSON log (every incarnation), oldest first. A line cut short by a SIGKILL, or any
+    other text, is skipped."""
     found = []
-    for line in role.log_path.read_text().splitlines() if role.log_path.exists() else []:
+    for line in path.read_text().splitlines() if path.exists() else []:
         try:
             event = json.loads(line)
         except ValueError:
             continue
-        if isinstance(event, dict) and event.get("event") == name:
+        if isinstance(event, dict) and "event" in event:
             found.append(event)
     return found
 

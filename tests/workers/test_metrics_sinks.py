@@ -16,9 +16,11 @@ from wandb.proto.wandb_internal_pb2 import Record
 
 from relax_bus.errors import ConfigError
 from schemas import Metric, RunEvent
-from workers.config import parse_config
+from workers.config import MetricsLaunch, parse_config
+from workers.launch.launcher import metrics_launch, metrics_sinks_line
 from workers.metrics.prometheus import PrometheusSink
 from workers.metrics.sinks import JsonlSink, TensorBoardSink, WandbSink, open_sinks
+from workers.roles.metrics import metrics_dir, prometheus_port
 
 pytestmark = pytest.mark.unit
 RUN = "sinks"
@@ -211,3 +213,28 @@ def test_the_config_picks_the_sinks(tmp_path):
         parse_config({"run": RUN, "metrics": {"prometheus_port": 0}})
     only_jsonl = parse_config({"run": RUN, "metrics": {"tensorboard": False, "wandb": {"enabled": False}}}).metrics
     assert [s.name for s in open_sinks(only_jsonl, tmp_path / "b", RUN)] == ["jsonl"]
+
+
+def test_what_a_launch_resolves_reaches_the_role_not_the_stored_config(tmp_path, monkeypatch):
+    config = parse_config({"run": RUN})
+    stored = config.model_dump()
+    launch = metrics_launch(config, tmp_path / "run")
+    assert config.model_dump() == stored and config.metrics.prometheus_port == "auto"  # what the user wrote
+    assert launch is not None and launch.dir == str((tmp_path / "run").resolve())
+    assert launch.prometheus_port is not None and 1 <= launch.prometheus_port <= 65535
+    assert f"Prometheus http://127.0.0.1:{launch.prometheus_port}/metrics" in (metrics_sinks_line(config, launch) or "")
+    for name, value in launch.environment().items():  # how `relax run` hands them to the metrics process
+        monkeypatch.setenv(name, value)
+    in_role = MetricsLaunch()
+    assert in_role == launch
+    assert prometheus_port(config.metrics, in_role) == launch.prometheus_port
+    assert metrics_dir(config.metrics, tmp_path / "cache", in_role) == (tmp_path / "run").resolve()
+    # What the user wrote wins, and without `relax run` an `auto` port is the system's pick (0).
+    fixed = parse_config({"run": RUN, "metrics": {"prometheus_port": 9464, "out_dir": str(tmp_path / "m")}})
+    assert metrics_launch(fixed, tmp_path / "run") == MetricsLaunch(dir=None, prometheus_port=None)
+    assert prometheus_port(fixed.metrics, in_role) == 9464
+    assert metrics_dir(fixed.metrics, tmp_path / "cache", in_role) == tmp_path / "m"
+    monkeypatch.delenv("RELAX_METRICS_PROMETHEUS_PORT")
+    monkeypatch.delenv("RELAX_METRICS_DIR")
+    assert prometheus_port(config.metrics, MetricsLaunch()) == 0
+    assert metrics_dir(config.metrics, tmp_path / "cache", MetricsLaunch()) == tmp_path / "cache" / "metrics"

@@ -26,7 +26,7 @@ from relax_bus.overrides import load_with_overrides
 from relax_bus.settings import RunConfig, parse_run_config
 from workers.config.agent import AgentConfig, EnvSpec
 from workers.config.base import Section
-from workers.config.metrics import MetricsConfig, WandbConfig
+from workers.config.metrics import MetricsConfig, MetricsLaunch, WandbConfig
 from workers.config.model_source import (
     DirSource,
     HfSource,
@@ -103,6 +103,7 @@ __all__ = [
     "MathOptions",
     "MathReward",
     "MetricsConfig",
+    "MetricsLaunch",
     "ModelConfig",
     "ModelSource",
     "NumericOptions",

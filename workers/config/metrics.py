@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from workers.config.base import Section
 
@@ -38,10 +39,29 @@ class MetricsConfig(Section):
     """Write TensorBoard event files under `tensorboard/` (open with `tensorboard --logdir <dir>/tensorboard`)."""
     prometheus_port: Annotated[int, Field(ge=1, le=65535)] | Literal["auto"] | None = "auto"
     """Serve Prometheus gauges at `http://<prometheus_host>:<port>/metrics`. `auto`: a free port, which `relax
-    run` prints at the start (and a lone `relax worker metrics` logs as `prometheus_serving`); null: none."""
+    run` picks at each launch and prints at the start (a lone `relax worker metrics` logs it as
+    `prometheus_serving`); the stored config keeps `auto`. null: none."""
     prometheus_host: str = "127.0.0.1"
     """Address the Prometheus endpoint listens on (loopback by default: it has no authentication)."""
     poll_s: float = Field(default=5.0, gt=0)
     """How often the Prometheus gauges of queue depths and live workers are read from the server."""
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     """Weights & Biases: an offline run directory by default (`wandb: {enabled: false}` turns it off)."""
+
+
+class MetricsLaunch(BaseSettings):
+    """What `relax run` resolves for its metrics role at each launch and hands to that process alone, in its
+    environment (`RELAX_METRICS_*`): never written into the stored run config, so that running the same
+    config again on the same run directory finds the config unchanged and resumes. Unset: the config's own."""
+
+    model_config = SettingsConfigDict(env_prefix="RELAX_METRICS_", extra="ignore", frozen=True)
+
+    dir: str | None = None
+    """Where the file sinks write when `metrics.out_dir` is null (`relax run`: its run directory)."""
+    prometheus_port: int | None = Field(default=None, ge=1, le=65535)
+    """The port of an `auto` `metrics.prometheus_port` (`relax run`: a free one, picked at each launch)."""
+
+    def environment(self) -> dict[str, str]:
+        """These settings as the variables they are read from in the role's process."""
+        prefix = str(self.model_config.get("env_prefix", ""))
+        return {f"{prefix}{k.upper()}": str(v) for k, v in self.model_dump().items() if v is not None}

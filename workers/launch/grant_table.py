@@ -67,7 +67,9 @@ def render(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workers.launch.grant_table", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, prog="python -m workers.launch.grant_table", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 when docs/security.md differs, write nothing")
     args = parser.parse_args(argv)
     path = ROOT / DOC

@@ -9,6 +9,11 @@ role to have written every step, stops everything by PID and draws the reward cu
 `metrics.jsonl`, `tensorboard/` and `wandb/` into the run directory (unless `metrics.out_dir` says
 otherwise); a run without it gets `metrics.jsonl` from the launcher itself. Outages and restarts are one
 line each on the terminal; log records go to the logs.
+
+Run again on the same run directory (or server), the same config resumes the run from its checkpoint, in one
+line that says so; a changed config is refused with the settings that differ (`relax_bus.provision`). What a
+launch resolves (the metrics role's directory, an `auto` Prometheus port) reaches the role in its environment
+(`MetricsLaunch`) and never the stored config, which keeps what the user wrote.
 """
 
 from __future__ import annotations
@@ -33,14 +38,16 @@ from relax_bus.outage import OUTAGE_S
 from relax_bus.provision import provision_when_ready, sweep_hops
 from relax_bus.settings import ConnectionSettings, redacted
 from schemas import Metric, RunEvent
+from workers.config import MetricsLaunch, ShmWeights
 from workers.config import PipelineConfig as RunConfig
-from workers.config import ShmWeights
 from workers.launch.curve import draw_curve
 from workers.launch.embedded import RunServer, read_env_file, settings_from_env
 from workers.launch.processes import RunProcesses, follow_events
 from workers.launch.progress import Progress
 from workers.preflight import preflight
+from workers.roles.actor_checkpoint import checkpoint_record
 from workers.roles.serve import SANDBOX_HIDES
+from workers.state_keys import TRAINER_STEP
 from workers.weights import SharedMemoryTransport
 
 DRAIN_S = 10.0
@@ -65,7 +72,6 @@ async def launch(
     With one, `auth_dir` (what `relax auth` wrote for the run) gives each role its own user, the launcher
     connecting as admin; without it every role connects as the launcher does (its RELAX_* environment)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    config = metrics_in_run_dir(config, run_dir)
     await asyncio.to_thread(preflight, config, run_dir / "work")
     server = RunServer(config, run_dir).start() if nats_url is None else None
     outages: list[str] = []
@@ -87,14 +93,19 @@ async def launch(
     # The run dir holds every user's credentials (auth/) and the server's store (nats/): no sandbox sees it.
     hidden = {SANDBOX_HIDES: str(run_dir.resolve())}
     role_env = {r.name: {**role_env.get(r.name, {}), **hidden} for r in config.chain}
+    metrics = metrics_launch(config, run_dir)
+    if metrics is not None:  # resolved for this launch, handed to the metrics role alone: never stored
+        role_env["metrics"] = {**role_env.get("metrics", {}), **metrics.environment()}
     processes = RunProcesses(config, url, run_dir / "work", run_dir / "logs", role_env)
     try:
         # Retried while the server does not answer in time (a loaded machine), as the roles' start-up reads are.
         await provision_when_ready(nc.jetstream(), config, OUTAGE_S)
         bus = await Bus.attach(nc, config.run, RunConfig)
+        if (resuming := await resume_line(bus, config)) is not None:
+            out.write(resuming + "\n")
         processes.start()
         out.write("started " + ", ".join(f"{label} (pid {pid})" for label, pid in processes.pids().items()) + "\n")
-        if (sinks := metrics_sinks_line(config)) is not None:
+        if (sinks := metrics_sinks_line(config, metrics)) is not None:
             out.write(sinks + "\n")
         watch = Watch(processes, server, outages, stopping or asyncio.Event(), bus)
         summary = await _follow(bus, config, watch, run_dir, out)
@@ -113,34 +124,58 @@ async def launch(
     return summary
 
 
-def metrics_in_run_dir(config: RunConfig, run_dir: Path) -> RunConfig:
-    """`config` with the metrics role writing into the run directory (unless it names its own) and its
-    `auto` Prometheus port chosen here, so that the launcher can print it before the role starts."""
+def metrics_launch(config: RunConfig, run_dir: Path) -> MetricsLaunch | None:
+    """What this launch resolves for the metrics role (None without one): its file sinks in the run directory
+    unless `metrics.out_dir` names one, and a free port for an `auto` Prometheus port, chosen here so that the
+    launcher can print it before the role starts and a restarted role keeps it. The role gets them in its
+    environment; the stored config keeps what the user wrote (null, `auto`), so that running the same config
+    again on the same run directory is the same config and resumes."""
     m = config.metrics
     if not m.enabled:
-        return config
-    update: dict[str, Any] = {}
-    if m.out_dir is None:
-        update["out_dir"] = str(run_dir.resolve())
-    if m.prometheus_port == "auto":
-        update["prometheus_port"] = free_port(m.prometheus_host)
-    return config.model_copy(update=dict(metrics=m.model_copy(update=update)))
+        return None
+    return MetricsLaunch(
+        dir=str(run_dir.resolve()) if m.out_dir is None else None,
+        prometheus_port=free_port(m.prometheus_host) if m.prometheus_port == "auto" else None,
+    )
 
 
-def metrics_sinks_line(config: RunConfig) -> str | None:
+def metrics_sinks_line(config: RunConfig, launch: MetricsLaunch | None = None) -> str | None:
     """Where the metrics role writes, in one line for the terminal; None without a metrics role."""
     m = config.metrics
     if not m.enabled:
         return None
-    where = Path(m.out_dir) if m.out_dir else Path("<work-dir>") / config.run / "metrics"
+    if m.out_dir:
+        where = Path(m.out_dir)
+    elif launch is not None and launch.dir:
+        where = Path(launch.dir)
+    else:
+        where = Path("<work-dir>") / config.run / "metrics"
     parts = [f"jsonl {where / 'metrics.jsonl'}"] if m.jsonl else []
     if m.tensorboard:
         parts.append(f"tensorboard --logdir {where / 'tensorboard'}")
     if m.wandb.enabled:
         parts.append(f"W&B {m.wandb.mode} {where / 'wandb'}")
-    if m.prometheus_port is not None:
-        parts.append(f"Prometheus http://{m.prometheus_host}:{m.prometheus_port}/metrics")
+    port = launch.prometheus_port if m.prometheus_port == "auto" and launch is not None else m.prometheus_port
+    if port is not None:
+        parts.append(f"Prometheus http://{m.prometheus_host}:{port}/metrics")
     return "metrics: " + "; ".join(parts) if parts else None
+
+
+async def resume_line(bus: Bus, config: RunConfig) -> str | None:
+    """One line saying that the run goes on from its checkpoint (a run directory or server that holds the run
+    already, its config unchanged: `provision` refused any other); None for a run without one yet."""
+    record = await checkpoint_record(bus)
+    if record is None:
+        return None
+    step, steps = int(record["step"]), config.trainer.steps
+    trained = int(await bus.run_state.get(TRAINER_STEP) or b"0")
+    line = f"run {config.run}: resuming from its checkpoint of step {step} (of {steps})"
+    if step >= steps:
+        return line + ": every step is trained already"
+    if trained > step:
+        again = f"step {trained}" if trained == step + 1 else f"steps {step + 1}-{trained}"
+        return line + f"; {again}, trained after it, will be trained again"
+    return line
 
 
 def _launcher_writes_jsonl(config: RunConfig) -> bool:

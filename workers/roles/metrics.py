@@ -26,7 +26,7 @@ from relax_bus.follow import Followed, Follower
 from relax_bus.heartbeat import live_workers
 from relax_bus.log import get_logger
 from schemas import Metric, RunEvent
-from workers.config import MetricsConfig
+from workers.config import MetricsConfig, MetricsLaunch
 from workers.metrics.prometheus import PrometheusSink
 from workers.metrics.sinks import StepSink, open_sinks
 from workers.roles.serve import RoleContext
@@ -37,19 +37,30 @@ WANDB_SERVICE_VARIABLE = "WANDB_SERVICE"
 """Where wandb tells child processes the address of the service it started (`wandb.env.SERVICE`)."""
 
 
-def metrics_dir(config: MetricsConfig, cache: Path) -> Path:
-    """Where the file sinks write: the configured directory, else `<work-dir>/<run>/metrics`."""
-    return Path(config.out_dir) if config.out_dir else cache / "metrics"
+def metrics_dir(config: MetricsConfig, cache: Path, launch: MetricsLaunch | None = None) -> Path:
+    """Where the file sinks write: the configured directory, else the one `relax run` gave this launch (its run
+    directory), else `<work-dir>/<run>/metrics`."""
+    if config.out_dir:
+        return Path(config.out_dir)
+    return Path(launch.dir) if launch is not None and launch.dir else cache / "metrics"
+
+
+def prometheus_port(config: MetricsConfig, launch: MetricsLaunch | None = None) -> int | None:
+    """The port to serve the gauges on: the configured one; for `auto` the one `relax run` picked for this launch,
+    else 0 (the system picks one); None: no endpoint."""
+    if config.prometheus_port != "auto":
+        return config.prometheus_port
+    return launch.prometheus_port if launch is not None and launch.prometheus_port else 0
 
 
 async def serve(ctx: RoleContext) -> None:
     """`relax worker metrics`: write the run's steps to its sinks until stopped."""
     bus = ctx.connected
     config = bus.config.metrics
+    launch = MetricsLaunch()  # what `relax run` resolved for this launch (RELAX_METRICS_*); unset by hand
     gauges = None
-    if config.prometheus_port is not None:
-        port = 0 if config.prometheus_port == "auto" else config.prometheus_port  # 0: the system picks one
-        where = f"{config.prometheus_host}:{config.prometheus_port}"
+    if (port := prometheus_port(config, launch)) is not None:
+        where = f"{config.prometheus_host}:{port or config.prometheus_port}"
         try:
             gauges = PrometheusSink(bus.run, config.prometheus_host, port)
         except OSError as err:  # deliberate: a port in use is the user's to fix, in one line
@@ -59,7 +70,7 @@ async def serve(ctx: RoleContext) -> None:
     # run id of a role killed while attached to it stays "in use" there, and the restarted role could not
     # open the run again. Each role process starts its own, which dies with it.
     os.environ.pop(WANDB_SERVICE_VARIABLE, None)
-    sinks = await asyncio.to_thread(open_sinks, config, metrics_dir(config, ctx.cache), bus.run)
+    sinks = await asyncio.to_thread(open_sinks, config, metrics_dir(config, ctx.cache, launch), bus.run)
     try:
         await MetricsRole(bus, ctx.role, sinks, gauges, config.poll_s, bus.config.trainer.steps).run(ctx.stop)
     finally:

@@ -5,6 +5,7 @@ it; the run config is read from KV, and the parts of it the role uses (its regis
 model, the task, the rewards, the engine) are checked before it starts (`workers.preflight`): a config that
 cannot work is refused with exit code 2 and one error, and not restarted. A role whose config spans several
 nodes (the trainer with `trainer.distributed.nnodes` > 1) re-executes itself as this node's torchrun agent.
+Its log events carry `run`, `role` and `worker` (the worker id its heartbeat shows), from its start.
 SIGTERM/SIGINT stop the role gracefully: workers finish or hand back their in-flight messages, the actor
 hands back a half-collected step, and the process exits 0.
 """
@@ -25,6 +26,7 @@ from typing import Any
 from relax_bus.bus import Bus
 from relax_bus.cancel import cancel_and_wait
 from relax_bus.connection import forget_credentials
+from relax_bus.delivery import role_worker
 from relax_bus.errors import ConfigError
 from relax_bus.log import get_logger
 from relax_bus.settings import ConnectionSettings
@@ -62,7 +64,15 @@ class RoleContext:
 
 
 async def run_role(role: str, settings: ConnectionSettings, run: str, work_dir: Path, threads: int = 1) -> int:
-    """Connect (retrying for `settings.connect_retry_s`), run the role until done or stopped; return an exit code."""
+    """Connect (retrying for `settings.connect_retry_s`), run the role until done or stopped; return an exit code.
+
+    The process is one worker of the role (`relax_bus.delivery.role_worker`): its loop's worker id is chosen here,
+    and every log event from here on carries `run`, `role` and that `worker`."""
+    with role_worker(run, role):
+        return await _run_role(role, settings, run, work_dir, threads)
+
+
+async def _run_role(role: str, settings: ConnectionSettings, run: str, work_dir: Path, threads: int) -> int:
     make_undumpable()
     hide(work_dir, *(path.parent for path in _login_files(settings)), *hidden_by_launcher())
     entry = role_def(role)
