@@ -204,7 +204,7 @@ def test_fully_masked_batch_gives_zero_loss_and_metrics():
 def test_policy_loss_checks_shapes_and_names():
     x = torch.zeros(2, 3)
     with pytest.raises(ValueError, match=r"advantages must be \[B\]"):
-        policy_loss(x, x, x, torch.zeros(2, 3), torch.ones(2, 3))
+        policy_loss(x, x, x, torch.zeros(2, 4), torch.ones(2, 3))
     with pytest.raises(ValueError, match="logp_rollout has shape"):
         policy_loss(x, x, torch.zeros(2, 4), torch.zeros(2), torch.ones(2, 3))
     with pytest.raises(ValueError, match=r"unknown aggregation 'batch'.*token.*sequence"):
