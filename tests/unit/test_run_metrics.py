@@ -1,9 +1,11 @@
 """What a researcher sees of a step beyond the loss: the reward's terms and failures, the responses' lengths and
-truncation, the namespaced policy names and the samples log's entries."""
+truncation, the namespaced policy names, the samples log's entries, and the reward curve's axis and lines."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -25,6 +27,8 @@ from schemas import (
 from schemas.bounded import MAX_SAMPLE_TEXT, MAX_STEP_SAMPLES, name_part
 from tests import factories as f
 from workers.config import parse_config
+from workers.launch.compare import compare
+from workers.launch.curve import draw_curve, extra_lines, moving_average, term_names, y_limits
 from workers.roles.step_samples import MARK, clip_end, clip_start, prompt_text, step_samples
 from workers.training.step_metrics import (
     MAX_REWARD_TERMS,
@@ -187,3 +191,74 @@ def test_the_samples_settings():
         parse_config({"run": "m", "metrics": {"samples_per_step": MAX_STEP_SAMPLES + 1}})
     with pytest.raises(ConfigError, match="sample_text_bytes"):
         parse_config({"run": "m", "metrics": {"sample_text_bytes": MAX_SAMPLE_TEXT + 1}})
+
+
+# ---- the reward curve ---------------------------------------------------------------------------------------
+
+
+def test_the_y_axis_is_zero_to_one_for_rewards_within_it_and_follows_the_data_outside():
+    assert y_limits([0.2, 0.9, math.nan]) == pytest.approx((-0.02, 1.02))
+    assert y_limits([]) == pytest.approx((-0.02, 1.02))
+    low, high = y_limits([0.5, 1.5])
+    assert low == pytest.approx(-0.03) and high == pytest.approx(1.53)  # 2 % of the range [0, 1.5] each side
+    low, high = y_limits([-0.5, 0.5, math.inf])
+    assert low == pytest.approx(-0.53) and high == pytest.approx(1.03)
+
+
+def row(step: int, reward: float, **more: float) -> dict[str, float]:
+    return {"step": step, "wall_s": float(step), "reward_mean": reward, **more}
+
+
+def test_term_lines_only_for_two_terms_or_more_and_modalities_apart():
+    one = [row(1, 1.0, **{"reward/exact/mean": 1.0, "reward/error_rate": 0.0})]
+    assert term_names(one) == ["exact"] and extra_lines(one) == []
+    two = [row(1, 1.5, **{"reward/correct/mean": 1.0, "reward/format/mean": 0.5, "reward/image": 1.0})]
+    assert [line.name for line in extra_lines(two)] == ["reward/image", "reward/correct/mean", "reward/format/mean"]
+
+
+def write_rows(path: Path, rows: list[dict[str, float]]) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path / "metrics.jsonl"
+
+
+@pytest.fixture
+def saved_axes(monkeypatch):
+    """The y-limits and line labels of every figure saved: what the PNG shows."""
+    from matplotlib.figure import Figure
+
+    saved: list[tuple[tuple[float, float], list[str]]] = []
+    save = Figure.savefig
+
+    def recording(fig, *args, **kwargs):
+        ax = fig.axes[0]
+        saved.append((ax.get_ylim(), [line.get_label() for line in ax.get_lines()]))
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", recording)
+    return saved
+
+
+def test_the_curve_draws_a_reward_above_one_and_its_terms(tmp_path, saved_axes):
+    # terms a (1.0) and b (0.5 down to -0.3): the reward runs from 1.4 to 0.7, with a step that has none
+    rows = [row(s, 1.5 - 0.1 * s, **{"reward/a/mean": 1.0, "reward/b/mean": 0.5 - 0.1 * s}) for s in range(1, 9)]
+    rows[3]["reward_mean"] = math.nan
+    png = draw_curve(write_rows(tmp_path, rows), tmp_path / "curve.png")
+    assert png is not None and png.stat().st_size > 0
+    ((low, high), labels) = saved_axes[0]
+    # drawn: the reward (1.4 at the top) and the terms' moving averages (b's ends at -0.1): 2 % of 1.5 more each side
+    assert (low, high) == pytest.approx((-0.13, 1.43))
+    assert [label for label in labels if label.startswith("reward/")] == [
+        "reward/a/mean (moving average 5)",
+        "reward/b/mean (moving average 5)",
+    ]
+    assert moving_average([1.0, math.nan, 3.0], 2) == [1.0, 1.0, 3.0]
+    assert math.isnan(moving_average([math.nan], 5)[0])
+
+
+def test_a_reward_within_zero_and_one_keeps_the_axis_and_compare_follows_its_runs(tmp_path, saved_axes):
+    draw_curve(write_rows(tmp_path / "a", [row(s, s / 10) for s in range(1, 6)]), tmp_path / "a.png")
+    assert saved_axes[-1][0] == pytest.approx((-0.02, 1.02))
+    write_rows(tmp_path / "b", [row(s, 2.0) for s in range(1, 6)])
+    text, _ = compare([tmp_path / "a", tmp_path / "b"], tmp_path / "both.png")
+    assert saved_axes[-1][0] == pytest.approx((-0.04, 2.04)) and (tmp_path / "both.png").is_file(), text
