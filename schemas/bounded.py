@@ -28,6 +28,10 @@ MAX_TEXT = 256 * 1024
 """Longest string value of an event field (a step's group ids, joined)."""
 NAME_PATTERN = r"^[A-Za-z0-9_./:-]{1,128}$"
 """What an event's name, a field's key and a metric's name look like."""
+MAX_STEP_SAMPLES = 32
+"""Most samples one step's metric carries for the samples log (`Metric.samples`)."""
+MAX_SAMPLE_TEXT = 16 * 1024
+"""Longest prompt, response or error text of a logged sample, in characters (the producer clips to its byte cap)."""
 
 COUNTER_KEYS = frozenset({"step", "version", "dropped", "requeued", "lag_max", "read_ahead"})
 """Metric values that are counts (with every `lag_<k>`): whole numbers in [0, MAX_COUNT]."""
@@ -50,6 +54,15 @@ FieldValue = Text | Int | Value | bool | None
 """One value of an event's fields."""
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 """A step or a policy version."""
+
+
+_NOT_IN_NAME = re.compile(r"[^A-Za-z0-9_.:-]")
+
+
+def name_part(text: str, length: int = 64) -> str:
+    """`text` as one segment of a metric name: every character outside `[A-Za-z0-9_.:-]` (`/` too) as `_`, at most
+    `length` characters; `_` for an empty text."""
+    return _NOT_IN_NAME.sub("_", text)[:length] or "_"
 
 
 def lag_of(key: str) -> int | None:

@@ -17,13 +17,22 @@ from typing import Annotated, Any, ClassVar, Literal, TypeAlias
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from schemas.bounded import MAX_FIELDS, Count, FieldValue, Name, Value, check_counters
+from schemas.bounded import (
+    MAX_FIELDS,
+    MAX_SAMPLE_TEXT,
+    MAX_STEP_SAMPLES,
+    Count,
+    FieldValue,
+    Name,
+    Value,
+    check_counters,
+)
 from schemas.episode import EpisodeInfo
 from schemas.parts import Part
 from schemas.tensor import WireTensor
 
-SCHEMA_VERSION = "1.5"  # 1.1: PromptGroup.history; 1.2: Sample.routed_experts; 1.3: Sample.version_spans;
-# 1.4: Sample.loss_mask and Sample.episode, ChatTurn role "tool"; 1.5: TrainGroup.teacher_logprobs
+SCHEMA_VERSION = "1.6"  # 1.1: PromptGroup.history; 1.2: Sample.routed_experts; 1.3: Sample.version_spans;
+# 1.4: Sample.loss_mask and Sample.episode, ChatTurn role "tool"; 1.5: TrainGroup.teacher_logprobs; 1.6: Metric.samples
 SCHEMA_MAJOR = 1
 
 _ID = r"^[A-Za-z0-9_.:-]{1,200}$"
@@ -397,8 +406,39 @@ class RunEvent(Message):
     at: float = Field(default_factory=time.time, allow_inf_nan=False)
 
 
+SampleText = Annotated[str, Field(max_length=MAX_SAMPLE_TEXT)]
+"""A logged sample's prompt, response or error: clipped by the producer (`metrics.sample_text_bytes`)."""
+
+
+class StepSample(BaseModel):
+    """One trained sample as the run's samples log shows it (`Metric.samples`)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    group_id: str = Field(pattern=_ID)
+    """The group it answers."""
+    index: int = Field(ge=0, le=4096)
+    """Its position in the group."""
+    policy_version: Count
+    """The policy version that generated the group (its oldest, when an update happened mid-way)."""
+    prompt: SampleText
+    """The prompt's text (earlier turns first, a media part as `<image>`, `<audio>`, `<video>`), clipped at its head."""
+    response: SampleText
+    """The response's text as the reward role scored it (decoded from its token ids), clipped at its tail."""
+    reward: Value
+    """Its reward (before the trainer's shaping); 0 when the reward failed."""
+    terms: dict[Name, Value] = Field(default_factory=dict, max_length=MAX_FIELDS)
+    """The reward's weighted terms (they sum to the reward), by name."""
+    error: SampleText | None = None
+    """Why the reward failed (the sample was then left out of the update); None when it did not."""
+    finish_reason: Literal["stop", "length", "abort"] = "stop"
+    """Why generation ended."""
+    tokens: Count = 0
+    """Response tokens (an episode's: every turn's, observations included)."""
+
+
 class Metric(Message):
-    """Scalar metrics of one training step."""
+    """Scalar metrics of one training step, and a few of its samples for the samples log."""
 
     kind: Literal["metric"] = "metric"
     deduplicated: ClassVar[bool] = False  # each record is stored as published
@@ -407,6 +447,8 @@ class Metric(Message):
     values: Annotated[dict[Name, Value], Field(max_length=MAX_FIELDS), AfterValidator(check_counters)]
     """The step's values by name: finite or NaN; counts (step, version, `lag_<k>`, ...) whole and bounded."""
     at: float = Field(default_factory=time.time, allow_inf_nan=False)
+    samples: tuple[StepSample, ...] = Field(default=(), max_length=MAX_STEP_SAMPLES)
+    """A few of the step's trained samples (`metrics.samples_per_step`); empty when the log is off."""
 
 
 class DeadLetter(Message):

@@ -1,5 +1,6 @@
 """The metrics role against a real server: it follows the run's events from its durable consumer, and a
-role that died (before or after acknowledging) and started again leaves every step in its sinks once."""
+role that died (before or after acknowledging) and started again leaves every step (and its logged samples) in its
+sinks once."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from relax_bus.heartbeat import live_workers
-from schemas import Metric, RunEvent
+from schemas import Metric, RunEvent, StepSample
 from tests.bus.test_auth import provisioned, secured  # noqa: F401 (`secured` is a fixture)
 from tests.waiting import until
 from tests.workers.test_metrics_sinks import tensorboard_series
@@ -28,12 +29,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 async def publish_steps(bus, steps) -> None:
     for step in steps:
-        await bus.publish("events", Metric(run=bus.run, step=step, values={"reward_mean": step / 100}))
+        logged = tuple(
+            StepSample(group_id=f"g{i}", index=0, policy_version=step, prompt="1+1=", response="2", reward=1.0)
+            for i in range(2)
+        )
+        point = Metric(run=bus.run, step=step, values={"reward_mean": step / 100}, samples=logged)
+        await bus.publish("events", point)
         await bus.publish("events", RunEvent(run=bus.run, event="step_trained", fields={"step": step}))
 
 
-def jsonl_steps(out: Path) -> list[int]:
-    path = out / "metrics.jsonl"
+def jsonl_steps(out: Path, name: str = "metrics.jsonl") -> list[int]:
+    path = out / name
     return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.is_file() else []
 
 
@@ -99,6 +105,7 @@ async def test_a_killed_and_restarted_metrics_role_writes_every_step_once(make_b
         log = stop(proc)
     assert proc.returncode == 0, log[-3000:]
     assert jsonl_steps(out) == list(range(1, 26))
+    assert jsonl_steps(out, "samples.jsonl") == [s for s in range(1, 26) for _ in range(2)]  # each step's once
     series = tensorboard_series(out / "tensorboard", "reward_mean")
     assert [s for s, _ in series] == list(range(1, 26))
     # The events stream is limits-retention: the role's reading took nothing away from it.

@@ -1,6 +1,8 @@
 """`relax run` with the metrics role, by default: the run directory gets TensorBoard event files and an
 offline W&B run with the reward of every step, next to the metrics.jsonl and summary.json it has always
-had, and the run serves Prometheus gauges on the port it prints."""
+had, and the run serves Prometheus gauges on the port it prints. Each step carries its reward's terms, its
+responses' lengths and truncation and the policy's namespaced figures, and a few samples go to samples.jsonl
+(clipped), TensorBoard text and a W&B table."""
 
 from __future__ import annotations
 
@@ -12,7 +14,13 @@ import urllib.error
 import pytest
 
 from tests.chaos.test_relax_run import RelaxRun
-from tests.workers.test_metrics_sinks import sample_of, tensorboard_series, wandb_points_when
+from tests.workers.test_metrics_sinks import (
+    sample_of,
+    tensorboard_series,
+    tensorboard_texts,
+    wandb_history_when,
+    wandb_points_when,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
@@ -35,8 +43,24 @@ def _follow_prometheus(run: RelaxRun, timeout_s: float = 240) -> list[float | No
     return seen
 
 
+NEW_KEYS = (
+    "reward/exact/mean",
+    "reward/any/mean",
+    "reward/error_rate",
+    "response/length_mean",
+    "response/length_max",
+    "response/truncated_fraction",
+    "policy/neg_logprob_mean",
+    "policy/clip_fraction",
+)
+"""What each step of this run reports beside the existing names: two reward terms (`exact`, `any`)."""
+TERMS = [{"type": "exact"}, {"type": "format", "name": "any", "weight": 0.5, "options": {"pattern": "(?s).*"}}]
+"""The tiny model's answers are seldom exact: `any` (every response, weight 0.5) makes every reward at least 0.5."""
+
+
 def test_relax_run_writes_tensorboard_wandb_and_serves_prometheus_by_default(tmp_path):
-    run = RelaxRun(tmp_path, trainer={"steps": 6})
+    samples = {"samples_per_step": 3, "sample_text_bytes": 16}
+    run = RelaxRun(tmp_path, trainer={"steps": 6}, rewards=TERMS, metrics=samples)
     try:
         seen = _follow_prometheus(run)
         code = run.wait_exit(timeout_s=360)
@@ -54,5 +78,23 @@ def test_relax_run_writes_tensorboard_wandb_and_serves_prometheus_by_default(tmp
     # The gauge moved while the run went on: scraped before a step (or at a lower one) and at a later one.
     values = [v for v in seen if v is not None]
     assert values and max(values) >= 1 and len(set(seen)) >= 2, seen
+    for line in lines:
+        assert all(key in line for key in NEW_KEYS), sorted(line)
+        assert line["policy/clip_fraction"] == line["ppo_clip_frac"] and line["reward/error_rate"] == 0.0
+        assert line["reward/any/mean"] == 0.5, line
+        terms = line["reward/exact/mean"] + line["reward/any/mean"]
+        assert terms == pytest.approx(line["reward_mean"]), line  # the terms add up to the reward
+        assert 1 <= line["response/length_mean"] <= line["response/length_max"] <= 3  # rollout.max_new_tokens
+    logged = [json.loads(line) for line in (run.run_dir / "samples.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [entry["step"] for entry in logged] == [s for s in steps for _ in range(3)]  # 3 a step, each step once
+    for entry in logged:
+        assert len(entry["prompt"].encode()) <= 16 and len(entry["response"].encode()) <= 16, entry
+        assert set(entry["terms"]) == {"exact", "any"} and entry["reward"] == pytest.approx(
+            sum(entry["terms"].values())
+        )
+    assert [len({e["group_id"] for e in logged if e["step"] == s}) for s in steps] == [3] * 6  # one per group
+    assert [s for s, _ in tensorboard_texts(run.run_dir / "tensorboard", "samples")] == steps
+    assert [h["samples/nrows"] for h in wandb_history_when(run.run_dir / "wandb", len(steps))] == [3] * 6
+    assert (run.run_dir / "reward_curve.png").stat().st_size > 0
     summary = json.loads((run.run_dir / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["metrics"] == str((run.run_dir / "metrics.jsonl").resolve()), summary

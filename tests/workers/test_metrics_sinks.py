@@ -4,6 +4,7 @@ reader (TensorBoard's event loader, W&B's record format); Prometheus scraped ove
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 import urllib.request
@@ -15,11 +16,12 @@ from tensorboard.util.tensor_util import make_ndarray
 from wandb.proto.wandb_internal_pb2 import Record
 
 from relax_bus.errors import ConfigError
-from schemas import Metric, RunEvent
+from schemas import Metric, RunEvent, StepSample
 from workers.config import MetricsLaunch, parse_config
 from workers.launch.launcher import metrics_launch, metrics_sinks_line
 from workers.metrics.prometheus import PrometheusSink
-from workers.metrics.sinks import JsonlSink, TensorBoardSink, WandbSink, open_sinks
+from workers.metrics.samples import TABLE_COLUMNS
+from workers.metrics.sinks import JsonlSink, SamplesSink, TensorBoardSink, WandbSink, open_sinks
 from workers.roles.metrics import metrics_dir, prometheus_port
 
 pytestmark = pytest.mark.unit
@@ -28,6 +30,24 @@ RUN = "sinks"
 
 def point(step: int) -> Metric:
     return Metric(run=RUN, step=step, values={"reward_mean": step / 10, "version": float(step)})
+
+
+def logged(step: int, index: int) -> StepSample:
+    return StepSample(
+        group_id=f"g{step}",
+        index=index,
+        policy_version=step - 1,
+        prompt=f"{step}+{index}=",
+        response="naïve → 3\n    indented",
+        reward=1.5,
+        terms={"correct": 1.0, "format": 0.5},
+    )
+
+
+def with_samples(step: int, count: int = 2) -> Metric:
+    """A step with `count` logged samples, and values a step may leave uncomputed (NaN) under namespaced names."""
+    values = {"reward_mean": step / 10, "reward/correct/mean": 1.0, "policy/neg_logprob_mean": math.nan}
+    return Metric(run=RUN, step=step, values=values, samples=tuple(logged(step, i) for i in range(count)))
 
 
 def feed(sink, steps) -> int:
@@ -58,6 +78,64 @@ def test_jsonl_cuts_a_torn_last_line(tmp_path):
     feed(sink, [2])
     sink.close()
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+def test_samples_jsonl_writes_each_step_once_across_a_restart(tmp_path):
+    path = tmp_path / "samples.jsonl"
+    first = SamplesSink(path)
+    assert first.write([with_samples(1), point(2), with_samples(3)]) == 3  # a step without samples writes no line
+    first.close()
+    again = SamplesSink(path)
+    assert again.last_step == 3
+    again.write(with_samples(s, 1) for s in (2, 3, 4))
+    again.close()
+    lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert [(line["step"], line["index"]) for line in lines] == [(1, 0), (1, 1), (3, 0), (3, 1), (4, 0)]
+    assert list(lines[0]) == ["step", "at", *TABLE_COLUMNS[1:]]
+    assert lines[0]["response"] == "naïve → 3\n    indented" and lines[0]["terms"] == {"correct": 1.0, "format": 0.5}
+    assert "naïve" in path.read_text(encoding="utf-8")  # readable as it is, not escaped
+
+
+def test_nan_values_and_namespaced_names_go_through_every_file_sink(tmp_path):
+    sinks = [JsonlSink(tmp_path / "metrics.jsonl"), TensorBoardSink(tmp_path / "tensorboard")]
+    sinks.append(WandbSink(tmp_path, "nan-sinks", "offline", "relax", None))
+    try:
+        for sink in sinks:
+            assert sink.write([with_samples(1)]) == 1
+            sink.flush()
+    finally:
+        for sink in sinks:
+            sink.close()
+    (line,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert math.isnan(line["policy/neg_logprob_mean"]) and line["reward/correct/mean"] == 1.0
+    ((_, value),) = tensorboard_series(tmp_path / "tensorboard", "policy/neg_logprob_mean")
+    assert math.isnan(value)
+    assert tensorboard_series(tmp_path / "tensorboard", "reward/correct/mean") == [(1, 1.0)]
+    (history,) = wandb_history_when(tmp_path / "wandb", 1)
+    assert history["reward/correct/mean"] == 1.0 and math.isnan(history["policy/neg_logprob_mean"])
+    assert history["samples/_type"] == "table-file" and history["samples/nrows"] == 2, history
+    (table,) = (tmp_path / "wandb").glob(f"offline-run-*/files/{history['samples/path']}")
+    data = json.loads(table.read_text())
+    assert data["columns"] == list(TABLE_COLUMNS) and [r[2] for r in data["data"]] == [0, 1]  # index
+
+
+def test_tensorboard_shows_a_steps_samples_as_text(tmp_path):
+    logdir = tmp_path / "tensorboard"
+    sink = TensorBoardSink(logdir)
+    sink.write([with_samples(1), point(2), with_samples(3, 1)])
+    sink.close()
+    texts = tensorboard_texts(logdir, "samples")
+    assert [step for step, _ in texts] == [1, 3]
+    text = texts[0][1]
+    assert text.count("**group** g1") == 2 and "**reward** 1.500 (correct 1.000, format 0.500)" in text
+    assert "\n    naïve → 3\n        indented" in text  # an indented block: shown as it is
+    assert TensorBoardSink(logdir).last_step == 3
+
+
+def tensorboard_texts(logdir: Path, tag: str) -> list[tuple[int, str]]:
+    acc = EventAccumulator(str(logdir), size_guidance={TENSORS: 0})
+    acc.Reload()
+    return [(e.step, make_ndarray(e.tensor_proto).item().decode()) for e in acc.Tensors(tag)]
 
 
 def tensorboard_series(logdir: Path, tag: str) -> list[tuple[int, float]]:
@@ -101,14 +179,26 @@ def wandb_records(path: Path) -> list[Record]:
     return out
 
 
-def wandb_points(wandb_dir: Path) -> list[tuple[int, float]]:
-    points = []
+def wandb_history(wandb_dir: Path) -> list[dict[str, object]]:
+    """Every history record of the offline runs under `wandb_dir`, values decoded, in order."""
+    out = []
     for path in sorted(wandb_dir.glob("offline-run-*/run-*.wandb")):
         for r in wandb_records(path):
             if r.WhichOneof("record_type") == "history":
-                values = {"/".join(i.nested_key) or i.key: i.value_json for i in r.history.item}
-                points.append((int(r.history.step.num), float(values["reward_mean"])))
-    return points
+                out.append({"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item})
+    return out
+
+
+def wandb_history_when(wandb_dir: Path, count: int, timeout_s: float = 30.0) -> list[dict[str, object]]:
+    """`wandb_history` once `count` records are there (see `wandb_points_when`)."""
+    deadline = time.monotonic() + timeout_s
+    while len(records := wandb_history(wandb_dir)) < count and time.monotonic() < deadline:
+        time.sleep(0.2)  # poll; the caller asserts on what came
+    return records
+
+
+def wandb_points(wandb_dir: Path) -> list[tuple[int, float]]:
+    return [(int(h["_step"]), float(h["reward_mean"])) for h in wandb_history(wandb_dir)]  # type: ignore[arg-type]
 
 
 def wandb_points_when(wandb_dir: Path, count: int, timeout_s: float = 30.0) -> list[tuple[int, float]]:
@@ -188,7 +278,10 @@ def test_prometheus_endpoint_shows_gauges_that_move():
         # A step of 3 groups one version old and 1 group four versions old, then 2 groups at lag 0.
         sink.observe(Metric(run=RUN, step=3, values={"lag_1": 3.0, "lag_4": 1.0}))
         sink.observe(Metric(run=RUN, step=4, values={"lag_0": 2.0}))
+        sink.observe(with_samples(5))  # a namespaced name is a label value; NaN is a sample value
         third = scrape(sink.port)
+        assert sample(third, "relax_step_value", name="reward/correct/mean") == 1.0
+        assert math.isnan(sample(third, "relax_step_value", name="policy/neg_logprob_mean"))
         assert sample(third, "relax_group_lag_count") == 6.0
         assert sample(third, "relax_group_lag_sum") == 7.0
         assert sample(third, "relax_group_lag_bucket", le="0.0") == 2.0
@@ -203,7 +296,7 @@ def test_the_config_picks_the_sinks(tmp_path):
     default = parse_config({"run": RUN}).metrics
     sinks = open_sinks(default, tmp_path / "a", "config-sinks")  # not RUN: one W&B run id per process here
     try:
-        assert [s.name for s in sinks] == ["jsonl", "tensorboard", "wandb"]
+        assert [s.name for s in sinks] == ["jsonl", "samples", "tensorboard", "wandb"]
     finally:
         for sink in sinks:
             sink.close()
@@ -212,7 +305,9 @@ def test_the_config_picks_the_sinks(tmp_path):
     with pytest.raises(ConfigError, match="prometheus_port"):
         parse_config({"run": RUN, "metrics": {"prometheus_port": 0}})
     only_jsonl = parse_config({"run": RUN, "metrics": {"tensorboard": False, "wandb": {"enabled": False}}}).metrics
-    assert [s.name for s in open_sinks(only_jsonl, tmp_path / "b", RUN)] == ["jsonl"]
+    assert [s.name for s in open_sinks(only_jsonl, tmp_path / "b", RUN)] == ["jsonl", "samples"]
+    no_samples = only_jsonl.model_copy(update={"samples_per_step": 0})
+    assert [s.name for s in open_sinks(no_samples, tmp_path / "c", RUN)] == ["jsonl"]
 
 
 def test_what_a_launch_resolves_reaches_the_role_not_the_stored_config(tmp_path, monkeypatch):

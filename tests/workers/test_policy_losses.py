@@ -147,6 +147,7 @@ def test_on_policy_loss_is_minus_mean_advantage():
             "tis_clip_frac": 0.0,
             "tis_masked_frac": 0.0,
             "logprob_mismatch": 0.0,
+            "policy/neg_logprob_mean": -logp.detach()[mask.bool()].mean().item(),
         }
     )
     # sequence: -(0.5 - 1 + 2 - 3) / 4 = 0.375
@@ -164,6 +165,14 @@ def test_zero_advantage_is_never_counted_as_clipped():
     logp = logp_old + t([[LOG(3.0), LOG(0.1)]])
     _, metrics = policy_loss(logp, logp_old, logp_old, t([[0.0]])[0], torch.ones(1, 2))
     assert metrics["ppo_clip_frac"] == 0.0
+
+
+def test_neg_logprob_mean_is_the_mean_surprise_of_the_trained_tokens():
+    """The sampled entropy estimate: -logp averaged over valid tokens only (padding holds garbage here)."""
+    logp = t([[LOG(0.5), LOG(0.25), float("nan")], [LOG(0.125), 0.0, 0.0]]).requires_grad_(True)
+    mask = t([[1, 1, 0], [1, 0, 0]])
+    _, metrics = policy_loss(logp, logp.detach(), logp.detach(), t([1.0, -1.0]), mask)
+    assert metrics["policy/neg_logprob_mean"] == pytest.approx((LOG(2) + LOG(4) + LOG(8)) / 3)
 
 
 def test_masked_tokens_contribute_nothing():

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.launch.curve import metric_rows, moving_average
+from workers.launch.curve import metric_rows, moving_average, y_limits
 
 TENTH_METRICS = ("reward_mean", "episode_tool_calls_mean", "tool_call_valid_fraction")
 
@@ -61,22 +61,23 @@ def table(runs: list[RunFigures]) -> str:
 
 
 def draw(run_dirs: list[Path], target: Path) -> Path:
-    """Every run's reward (moving average of 5 steps) against its step, on one PNG."""
+    """Every run's reward (moving average of 5 steps) against its step, on one PNG; the y-axis follows the lines
+    (`curve.y_limits`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4))
-    low, high = 0.0, 1.0
+    drawn: list[float] = []
     for run_dir in run_dirs:
         rows = metric_rows(run_dir / "metrics.jsonl")
-        reward = [r["reward_mean"] for r in rows]
-        low, high = min(low, *reward), max(high, *reward)
-        ax.plot([r["step"] for r in rows], moving_average(reward, 5), linewidth=2, label=run_dir.name)
+        smooth = moving_average([r["reward_mean"] for r in rows], 5)
+        drawn += smooth
+        ax.plot([r["step"] for r in rows], smooth, linewidth=2, label=run_dir.name)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("mean reward (moving average 5)")
-    ax.set_ylim(low - 0.02, high + 0.02)
+    ax.set_ylim(*y_limits(drawn))
     ax.grid(alpha=0.3)
     ax.legend(loc="best")
     fig.tight_layout()

@@ -6,9 +6,9 @@ applies the run's topology, starts each role with `relax worker` under its own u
 dies (with backoff, counted; one that refuses the config, exit 2, ends the run with its reason instead),
 follows the run's events to show progress, and when the actor reports the last step waits for the metrics
 role to have written every step, stops everything by PID and draws the reward curve. The metrics role writes
-`metrics.jsonl`, `tensorboard/` and `wandb/` into the run directory (unless `metrics.out_dir` says
-otherwise); a run without it gets `metrics.jsonl` from the launcher itself. Outages and restarts are one
-line each on the terminal; log records go to the logs.
+`metrics.jsonl`, `samples.jsonl`, `tensorboard/` and `wandb/` into the run directory (unless `metrics.out_dir` says
+otherwise); a run without it gets `metrics.jsonl` and `samples.jsonl` from the launcher itself. Outages and
+restarts are one line each on the terminal; log records go to the logs.
 
 Run again on the same run directory (or server), the same config resumes the run from its checkpoint, in one
 line that says so; a changed config is refused with the settings that differ (`relax_bus.provision`). What a
@@ -44,6 +44,7 @@ from workers.launch.curve import draw_curve
 from workers.launch.embedded import RunServer, read_env_file, settings_from_env
 from workers.launch.processes import RunProcesses, follow_events
 from workers.launch.progress import Progress
+from workers.metrics.samples import jsonl_lines
 from workers.preflight import preflight
 from workers.roles.actor_checkpoint import checkpoint_record
 from workers.roles.serve import SANDBOX_HIDES
@@ -151,6 +152,8 @@ def metrics_sinks_line(config: RunConfig, launch: MetricsLaunch | None = None) -
     else:
         where = Path("<work-dir>") / config.run / "metrics"
     parts = [f"jsonl {where / 'metrics.jsonl'}"] if m.jsonl else []
+    if m.jsonl and m.samples_per_step:
+        parts.append(f"samples {where / 'samples.jsonl'}")
     if m.tensorboard:
         parts.append(f"tensorboard --logdir {where / 'tensorboard'}")
     if m.wandb.enabled:
@@ -257,6 +260,9 @@ class Watch:
 async def _follow(bus: Bus, config: RunConfig, watch: Watch, run_dir: Path, out: IO[str]) -> dict[str, Any]:
     # The metrics role writes metrics.jsonl; without it (or its jsonl sink) the launcher does.
     metrics_file = open(run_dir / "metrics.jsonl", "w") if _launcher_writes_jsonl(config) else None  # noqa: SIM115
+    samples_file = None
+    if metrics_file is not None and config.metrics.samples_per_step:  # and samples.jsonl beside it
+        samples_file = open(run_dir / "samples.jsonl", "w", encoding="utf-8")  # noqa: SIM115
     progress = Progress(config.trainer.steps, out)
     rewards: dict[int, float] = {}
     """The reward of each step seen (NaN: the step's metric has none)."""
@@ -272,6 +278,9 @@ async def _follow(bus: Bus, config: RunConfig, watch: Watch, run_dir: Path, out:
                     if metrics_file is not None:
                         metrics_file.write(json.dumps({"step": event.step, "at": event.at, **event.values}) + "\n")
                         metrics_file.flush()
+                    if samples_file is not None and event.samples:
+                        samples_file.write(jsonl_lines(event))
+                        samples_file.flush()
                     rewards[event.step] = event.values.get("reward_mean", math.nan)
                     processes.progressed()
                     progress.update(event.step, event.values, await _depths(bus))
@@ -287,8 +296,9 @@ async def _follow(bus: Bus, config: RunConfig, watch: Watch, run_dir: Path, out:
                     if len(rewards) >= config.trainer.steps or time.monotonic() - ended_at > DRAIN_S:
                         break
     finally:
-        if metrics_file is not None:
-            metrics_file.close()
+        for file in (metrics_file, samples_file):
+            if file is not None:
+                file.close()
         progress.close()
     known = [r for _, r in sorted(rewards.items()) if math.isfinite(r)]
     head, tail = known[:5], known[-5:]

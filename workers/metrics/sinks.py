@@ -6,8 +6,11 @@ after a crash or a restart writes nothing twice. `flush()` makes what was writte
 acknowledges events only after every sink has flushed them.
 
     jsonl        <dir>/metrics.jsonl       one object per step: step, at, and every value
-    tensorboard  <dir>/tensorboard/        event files, one scalar series per value
-    wandb        <dir>/wandb/              a W&B run (offline by default; `wandb sync` uploads it)
+    samples      <dir>/samples.jsonl       one object per logged sample (`workers.metrics.samples`), with jsonl
+    tensorboard  <dir>/tensorboard/        event files, one scalar series per value; the step's samples as text
+    wandb        <dir>/wandb/              a W&B run (offline by default; `wandb sync` uploads it); samples as a table
+
+A value that was not computed is NaN in each (`NaN` in the JSON Lines, as Python's json writes and reads it).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 from relax_bus.log import get_logger
 from schemas import Metric
 from workers.config import MetricsConfig
+from workers.metrics import samples
 
 log = get_logger(__name__)
 
@@ -80,6 +84,28 @@ class JsonlSink(StepSink):
         self._file.close()
 
 
+class SamplesSink(StepSink):
+    """`samples.jsonl`: the samples each step's metric carries, one line each (a step without any writes none)."""
+
+    name = "samples"
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.last_step = _last_jsonl_step(path)
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def _put(self, point: Metric) -> None:
+        self._file.write(samples.jsonl_lines(point))
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
 def _last_jsonl_step(path: Path) -> int:
     """The highest step in the file; a torn last line (the writer was killed mid-line) is cut off first."""
     if not path.is_file():
@@ -107,16 +133,34 @@ class TensorBoardSink(StepSink):
         self.logdir = logdir
         self.last_step = last_tensorboard_step(logdir)
         self._writer = Writer(str(logdir))  # a new event file per process; TensorBoard reads them all
+        self._text: Any = None
+        """The event file of the samples' text (the writer above takes scalars only), opened with the first."""
 
     def _put(self, point: Metric) -> None:
         for tag, value in point.values.items():
             self._writer.add_scalar(tag, value, point.step, wall_time=point.at)
+        if point.samples:
+            self._put_text(point)
+
+    def _put_text(self, point: Metric) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.plugins.text.summary_v2 import text_pb
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        if self._text is None:
+            self._text = EventFileWriter(str(self.logdir), filename_suffix=".samples")
+        summary = text_pb("samples", samples.markdown(point))
+        self._text.add_event(Event(wall_time=point.at, step=point.step, summary=summary))
 
     def flush(self) -> None:
         self._writer.flush()
+        if self._text is not None:
+            self._text.flush()
 
     def close(self) -> None:
         self._writer.close()
+        if self._text is not None:
+            self._text.close()
 
 
 def last_tensorboard_step(logdir: Path) -> int:
@@ -167,7 +211,12 @@ class WandbSink(StepSink):
         )
 
     def _put(self, point: Metric) -> None:
-        self._run.log(dict(point.values), step=point.step)
+        logged: dict[str, Any] = dict(point.values)
+        if point.samples:
+            import wandb
+
+            logged["samples"] = wandb.Table(columns=list(samples.TABLE_COLUMNS), data=samples.table_rows(point))
+        self._run.log(logged, step=point.step)
 
     def flush(self) -> None:
         tmp = self._marker.with_suffix(".tmp")
@@ -184,6 +233,8 @@ def open_sinks(config: MetricsConfig, out_dir: Path, run: str) -> list[StepSink]
     sinks: list[StepSink] = []
     if config.jsonl:
         sinks.append(JsonlSink(out_dir / "metrics.jsonl"))
+        if config.samples_per_step:
+            sinks.append(SamplesSink(out_dir / "samples.jsonl"))
     if config.tensorboard:
         sinks.append(TensorBoardSink(out_dir / "tensorboard"))
     if config.wandb.enabled:

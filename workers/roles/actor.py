@@ -50,10 +50,11 @@ from workers.roles.actor_media import ActorMedia
 from workers.roles.actor_state import ActorState
 from workers.roles.serve import RoleContext
 from workers.roles.stale_groups import admit_fresh
+from workers.roles.step_samples import step_samples
 from workers.state_keys import GROUPS_DROPPED, TRAINER_DONE, TRAINER_STEP
 from workers.training.devices import reads_ahead
 from workers.training.distributed import DrivenTrainer, warm_up
-from workers.training.step_metrics import episode_metrics
+from workers.training.step_metrics import episode_metrics, policy_aliases, response_metrics, reward_metrics
 from workers.training.trainer import PolicyTrainer
 from workers.weights import WeightTransport
 
@@ -337,12 +338,17 @@ class Actor:
         lags: collections.Counter[int],
         weight_sync_s: float,
     ) -> None:
-        rollouts = [h.message.scored.rollout for h in held]
+        groups = [h.message for h in held]
+        rollouts = [g.scored.rollout for g in groups]
+        samples = [s for r in rollouts for s in r.samples]
         calls = {(r.worker_id, r.timings.generate_s) for r in rollouts}  # groups of one engine call share it
         gen_s = sum(seconds for _, seconds in calls)
-        tokens = sum(s.token_ids.numel for r in rollouts for s in r.samples)
+        tokens = sum(s.token_ids.numel for s in samples)
         values = {
             **metrics,
+            **policy_aliases(metrics),
+            **reward_metrics(groups),
+            **response_metrics(samples),
             "step": float(self.state.step),
             "version": float(self.state.version),
             "wall_s": time.time() - self.started,
@@ -353,10 +359,12 @@ class Actor:
             "lag_max": float(max(lags)),
             "rollout_tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
             **{f"lag_{k}": float(v) for k, v in sorted(lags.items())},
-            **episode_metrics([s for r in rollouts for s in r.samples]),
+            **episode_metrics(samples),
             **self._step_timings(),
         }
-        await self.bus.publish("events", Metric(run=self.bus.run, step=self.state.step, values=values))
+        logged = step_samples(groups, self.cfg.metrics.samples_per_step, self.cfg.metrics.sample_text_bytes)
+        point = Metric(run=self.bus.run, step=self.state.step, values=values, samples=logged)
+        await self.bus.publish("events", point)
         await self._event(
             "step_trained",
             step=self.state.step,

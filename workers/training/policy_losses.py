@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
 # (logp, logp_old, A [B, 1|T], valid, clip_low, clip_high, **options) -> (loss_t, clip_active, ratio), all [B, T]
 SurrogateLoss = Callable[..., tuple[Tensor, Tensor, Tensor]]
-LOSS_METRICS = ("ppo_clip_frac", "ratio_mean")
+LOSS_METRICS = ("ppo_clip_frac", "ratio_mean", "policy/neg_logprob_mean")
 
 
 def _log_ratio(logp: Tensor, logp_old: Tensor, valid: Tensor) -> Tensor:
@@ -191,7 +191,10 @@ def policy_loss(
     loss = aggregate(w * loss_t, mask, aggregation, normalizer),  loss_t from POLICY_LOSSES[loss]
     `normalizer`: the denominator of a micro-batch's share of a larger batch (`aggregate`). Metrics, over valid
     tokens: ppo_clip_frac (tokens the loss clipped: no gradient for ppo / dual_clip / gspo, a clipped weight for
-    cispo), ratio_mean, and the correction's (`workers.training.corrections.CORRECTION_METRICS`).
+    cispo), ratio_mean, policy/neg_logprob_mean (mean of -logp: the sampled estimate of the policy's per-token
+    entropy, E_{y~pi}[-log pi(y)], from the sampled tokens alone; exact in expectation only where the samples come
+    from pi itself, i.e. on-policy at the rollout's temperature) and the correction's
+    (`workers.training.corrections.CORRECTION_METRICS`).
     """
     s = settings
     check_shapes(mask, logp=logp, logp_old=logp_old, logp_rollout=logp_rollout)
@@ -210,6 +213,7 @@ def policy_loss(
         metrics = {
             "ppo_clip_frac": masked_mean(clip_active.to(ratio.dtype), valid),
             "ratio_mean": masked_mean(ratio, valid),
+            "policy/neg_logprob_mean": masked_mean(-logp.detach().float(), valid),
             **metrics,
         }
     return total, metrics

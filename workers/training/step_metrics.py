@@ -7,6 +7,9 @@ step's updates.
                       optional ones (`distill_reverse_kl`, a run with a teacher) only where the loss reports them
     largest ones      maxima over micro-batches, ranks and the step's updates (`tis_max`)
     summed ones       seconds of the step's updates, summed over them (`sft_s`)
+
+The actor adds what the trained groups themselves say (`reward_metrics`, `response_metrics`, `episode_metrics`) and
+the namespaced names (`policy_aliases`), in the `reward/`, `response/` and `policy/` sections TRL and veRL users read.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
-from schemas import Sample
+from schemas import Sample, TrainGroup
+from schemas.bounded import name_part
 from workers.training.batch import Batch
 from workers.training.corrections import CORRECTION_METRICS
 from workers.training.policy_losses import LOSS_METRICS
@@ -27,6 +31,8 @@ SUMMED = ("sft_s",)
 TOKEN_METRICS = tuple(n for n in (*LOSS_METRICS, *CORRECTION_METRICS) if n not in LARGEST)
 OPTIONAL_TOKEN_METRICS = ("distill_reverse_kl",)
 """Per-token metrics of a term only some runs have (the same on every rank of a run)."""
+MAX_REWARD_TERMS = 32
+"""Most reward terms a step reports (`reward/<term>/mean`), the first in name order: a metric's values are bounded."""
 
 
 class UpdateSums:
@@ -116,3 +122,71 @@ def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:
         "env_s_per_call": sum(e.env_s for e in episodes) / calls if calls else 0.0,
         "env_reward_mean": sum(rewarded) / len(rewarded) if rewarded else float("nan"),
     }
+
+
+def reward_metrics(groups: Sequence[TrainGroup]) -> dict[str, float]:
+    """The step's reward terms and failures, from each sample's `RewardDetail` (empty without groups):
+
+        reward/<term>/mean   mean over the samples with a reward and a detail of the term's weighted value, as it
+                             enters the reward (0 for a sample without that term); with a detail for every sample
+                             the terms sum to `reward_mean`
+        reward/error_rate    samples whose reward failed (left out of the update, `samples_excluded`) / all samples
+
+    <term> is the component's name (`scorer.Score.components`: a reward's `name`, or `name.key` for each key of a
+    function that returns a dict) as a metric name segment (`schemas.bounded.name_part`; components whose names
+    become one are added together); at most `MAX_REWARD_TERMS` terms, the first in name order."""
+    details = [d for g in groups for d in g.scored.details or () if d.error is None]
+    samples = sum(len(g.scored.rollout.samples) for g in groups)
+    if not samples:
+        return {}
+    failed = sum(d.error is not None for g in groups for d in g.scored.details or ())
+    sums: dict[str, float] = defaultdict(float)
+    for detail in details:
+        for name, value in _by_name(detail.components).items():
+            sums[name] += value
+    terms = sorted(sums)[:MAX_REWARD_TERMS]
+    return {
+        **{f"reward/{term}/mean": sums[term] / len(details) for term in terms},
+        "reward/error_rate": failed / samples,
+    }
+
+
+def reward_terms(components: dict[str, float]) -> dict[str, float]:
+    """One sample's reward components under the names `reward_metrics` reports them by (components whose names
+    become one added together), at most `MAX_REWARD_TERMS`, the first in name order."""
+    terms = _by_name(components)
+    return {name: terms[name] for name in sorted(terms)[:MAX_REWARD_TERMS]}
+
+
+def _by_name(components: dict[str, float]) -> dict[str, float]:
+    """The components by their metric name segment (`name_part`), those whose names become one added together."""
+    out: dict[str, float] = defaultdict(float)
+    for name, value in components.items():
+        out[name_part(name)] += value
+    return out
+
+
+def response_metrics(samples: Sequence[Sample]) -> dict[str, float]:
+    """The step's responses, every sample (a failed reward's too; empty without samples):
+
+    response/length_mean, response/length_max   response tokens (an episode's: all its turns, observations too)
+    response/truncated_fraction                 samples cut by a limit: finish_reason `length`, or an episode
+                                                ended by `agent.max_tokens` / `agent.max_turns`"""
+    if not samples:
+        return {}
+    lengths = [s.token_ids.numel for s in samples]
+    truncated = sum(s.finish_reason == "length" or (s.episode is not None and s.episode.truncated) for s in samples)
+    return {
+        "response/length_mean": sum(lengths) / len(lengths),
+        "response/length_max": float(max(lengths)),
+        "response/truncated_fraction": truncated / len(samples),
+    }
+
+
+POLICY_ALIASES = {"policy/clip_fraction": "ppo_clip_frac"}
+"""Namespaced names of existing metrics (the existing name stays): alias -> name."""
+
+
+def policy_aliases(metrics: dict[str, float]) -> dict[str, float]:
+    """The namespaced copies (`POLICY_ALIASES`) of the trainer's metrics that are there."""
+    return {alias: metrics[name] for alias, name in POLICY_ALIASES.items() if name in metrics}
