@@ -31,8 +31,9 @@ from schemas.episode import EpisodeInfo
 from schemas.parts import Part
 from schemas.tensor import WireTensor
 
-SCHEMA_VERSION = "1.6"  # 1.1: PromptGroup.history; 1.2: Sample.routed_experts; 1.3: Sample.version_spans;
-# 1.4: Sample.loss_mask and Sample.episode, ChatTurn role "tool"; 1.5: TrainGroup.teacher_logprobs; 1.6: Metric.samples
+SCHEMA_VERSION = "1.7"  # 1.1: PromptGroup.history; 1.2: Sample.routed_experts; 1.3: Sample.version_spans;
+# 1.4: Sample.loss_mask and Sample.episode, ChatTurn role "tool"; 1.5: TrainGroup.teacher_logprobs;
+# 1.6: Metric.samples; 1.7: RolloutGroup.judgements, RewardDetail.checks
 SCHEMA_MAJOR = 1
 
 _ID = r"^[A-Za-z0-9_.:-]{1,200}$"
@@ -192,6 +193,26 @@ class RolloutTimings(BaseModel):
     """Weight loading that had to happen first."""
 
 
+class Judgement(BaseModel):
+    """A judge model's verdict on one sample (the `genrm` role): a score, or why there is none."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    score: float | None = Field(default=None, ge=0.0, le=1.0)
+    """p(yes) read from the judge's next-token logits, or 1/0 parsed from its generated verdict; None on an error."""
+    error: str | None = Field(default=None, max_length=500)
+    """Why the judge gave no score (timeout, unparsable verdict, engine error): the sample is then left out of
+    training and counted, never scored 0."""
+    verdict: str = Field(default="", max_length=200)
+    """The judge's generated text (text verdicts), cut to 200 characters."""
+
+    @model_validator(mode="after")
+    def _score_or_error(self) -> Judgement:
+        if (self.score is None) == (self.error is None):
+            raise ValueError("a judgement has a score or an error, not both and not neither")
+        return self
+
+
 class RolloutGroup(Message):
     """The n sampled responses of a prompt group."""
 
@@ -207,10 +228,18 @@ class RolloutGroup(Message):
     worker_id: str = ""
     """Rollout worker that produced it."""
     timings: RolloutTimings = Field(default_factory=RolloutTimings)
+    judgements: tuple[Judgement, ...] | None = None
+    """The judge's verdict on each sample, in a run with a `judge` section (set by the `genrm` role)."""
 
     @property
     def group_id(self) -> str:
         return self.prompt.group_id
+
+    @model_validator(mode="after")
+    def _one_judgement_per_sample(self) -> RolloutGroup:
+        if self.judgements is not None and len(self.judgements) != len(self.samples):
+            raise ValueError(f"{len(self.judgements)} judgements for {len(self.samples)} samples")
+        return self
 
     def publish_id(self) -> str:
         """`<run>/<group>/rollout/<attempt>`."""
@@ -258,7 +287,9 @@ class RewardDetail(BaseModel):
     components: dict[str, float] = Field(default_factory=dict)
     """Named partial scores (e.g. correct, format)."""
     error: str | None = None
-    """Set when the reward function failed; the reward is then 0."""
+    """Set when the reward function failed, or the judge gave no verdict: the sample is left out of training."""
+    checks: dict[str, float] = Field(default_factory=dict)
+    """Values of the run's check rewards (`judge.check`), logged beside a judge's score, never part of the reward."""
 
 
 class ScoredGroup(Message):

@@ -11,6 +11,7 @@
     relax --version                           this package's version and the pinned nats-server's
     relax model import-gguf [GGUF] --out DIR  a GGUF file (default: SmolLM2-135M-Instruct) as an HF directory
     relax model warmup CONFIG --out DIR       CONFIG's policy after its supervised warm-up, as an HF directory
+    relax model judge-train CONFIG --data F --out DIR   a judge (CONFIG's judge section) trained on labelled pairs
     relax export RUN --out DIR [--step N]     a run's checkpoint as an HF directory (transformers, vLLM)
 
 Arguments are parsed before anything heavy is imported; a role imports only what its module needs.
@@ -118,6 +119,19 @@ def _parser() -> argparse.ArgumentParser:
     wu.add_argument("config", help=CONFIG_HELP)
     with_overrides(wu)
     wu.add_argument("--out", required=True, help="the directory to write (must not exist or be empty)")
+    jt = m_sub.add_parser("judge-train", help="train a judge model (CONFIG's judge section) on labelled pairs")
+    jt.add_argument("config", help=CONFIG_HELP)
+    with_overrides(jt)
+    jt.add_argument(
+        "--data",
+        help='JSON Lines of {"prompt", "response", "label": true|false} (default: right and near-miss answers of '
+        "CONFIG's task, for whole-number answers)",
+    )
+    jt.add_argument("--out", required=True, help="the directory to write (must not exist or be empty)")
+    jt.add_argument("--base", help="the model to start from (a model source; default: CONFIG's model.source)")
+    jt.add_argument("--steps", type=int, default=800, help="supervised steps (default 800)")
+    jt.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
+    jt.add_argument("--batch-size", type=int, default=64, help="pairs per step (default 64)")
 
     cmp = sub.add_parser("compare", help="runs side by side: how far each one's reward rose, and their curves")
     cmp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories of `relax run` (runs/<run>)")
@@ -256,6 +270,8 @@ def _config(args: argparse.Namespace, config_model: type[RunConfig]) -> int:
 def _model(args: argparse.Namespace, config_model: type[RunConfig]) -> int:
     if args.model_command == "warmup":
         return _warmup(args)
+    if args.model_command == "judge-train":
+        return _judge_train(args)
     from workers.data.gguf_import import import_gguf, smollm2_gguf
 
     try:
@@ -285,6 +301,31 @@ def _warmup(args: argparse.Namespace) -> int:
     print(
         f"model directory: {args.out} ({record['base']} after {int(record['warmup_steps'])} warm-up steps, "
         f"sampled accuracy {record['warmup_accuracy']:.3f})"
+    )
+    return 0
+
+
+def _judge_train(args: argparse.Namespace) -> int:
+    from workers.config import PipelineConfig
+    from workers.launch.judge_train import train_judge
+
+    config = config_with_overrides(args, PipelineConfig)
+
+    def progress(fields: dict[str, float]) -> None:
+        step, agreed = int(fields["step"]), fields["agreement"]
+        print(f"judge step {step}/{args.steps}: held-out agreement {agreed:.3f}", flush=True)
+
+    try:
+        data = Path(args.data) if args.data else None
+        record = train_judge(
+            config, data, Path(args.out), args.base, args.steps, args.lr, args.batch_size, on_check=progress
+        )
+    except ValueError as err:  # deliberate: unusable data, config or output directory, said in one line
+        print(f"relax: error: {err}", file=sys.stderr)
+        return 2
+    print(
+        f"judge directory: {args.out} ({record['pairs']} pairs, held-out agreement {record['agreement']:.3f} at step "
+        f"{record['best_step']})"
     )
     return 0
 

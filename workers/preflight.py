@@ -73,6 +73,25 @@ def _rewards(config: PipelineConfig, work_dir: Path, found: Found) -> None:
     Scorer(list(config.rewards) or default_rewards(task_name)).close()
 
 
+def _judge(config: PipelineConfig, work_dir: Path, found: Found) -> None:
+    """The judge model builds or is found, its verdict texts are distinct tokens, and its template renders the first
+    item of the task with its tokenizer."""
+    if config.judge is None:
+        return
+    from workers.data.models import load_tokenizer, materialize
+    from workers.data.prompts import prompt_ids
+    from workers.data.tasks import prompt_text
+    from workers.rewards.judge import first_token, judge_prompt
+
+    cfg = config.judge
+    tokenizer = load_tokenizer(materialize(cfg.source, work_dir / config.run / "judge", cfg.seed))
+    if first_token(tokenizer, cfg.yes_text) == first_token(tokenizer, cfg.no_text):
+        raise ValueError(f"judge.yes_text {cfg.yes_text!r} and judge.no_text {cfg.no_text!r} start with one token")
+    first = found["task"][0] if found.get("task") else None
+    question, reference = (prompt_text(first.parts), first.answer) if first else ("1+1=", "2")
+    prompt_ids(tokenizer, judge_prompt(cfg.template, question, "2", reference), cfg.prompt_format)
+
+
 def _teacher(config: PipelineConfig, work_dir: Path, found: Found) -> None:
     """The teacher model builds or is found, and its tokenizer reads token ids as the policy's does."""
     if config.teacher is None:
@@ -103,6 +122,7 @@ CHECKS: dict[str, tuple[str, Check]] = {
     "rewards": ("rewards", _rewards),
     "engine": ("rollout.engine", _engine),
     "teacher": ("teacher.source", _teacher),
+    "judge": ("judge", _judge),
 }
 """Each check by name (what `RoleDef.checks` lists): the config key a problem is reported under, and the check.
 They run in this order; a later one may use what an earlier one found (the prompt, the model and the task)."""

@@ -12,7 +12,9 @@ entries read of it.
                stream and consumer state (what is still on the bus bounds the dead-letter credit)
     rollout    pull prompts, publish rollouts; read weights, watch policy.version; call the environment service and
                record episodes' turns
-    reward     pull rollouts, publish scored (train when the run has neither a reference nor a teacher role)
+    genrm      pull rollouts, publish judged (runs with a judge section)
+    reward     pull rollouts (judged in a run with a judge), publish scored (train when the run has neither a
+               reference nor a teacher role)
     reference  pull scored, publish teach (a run with a teacher) or train; read weights, watch policy.version
     teacher    pull teach (a run with a reference role) or scored, publish train
     actor      pull train, rewind its durable; publish prompts (requeues); write weights,
@@ -53,6 +55,10 @@ class RunShape(Protocol):
         """Whether the run has the reference role."""
 
     @property
+    def judge(self) -> Any:
+        """The judge section (None: no generative reward model, hence no genrm role)."""
+
+    @property
     def teacher(self) -> Any:
         """The teacher section (None: the run distills from no teacher, hence has no teacher role)."""
 
@@ -80,6 +86,10 @@ def _always(config: RunShape) -> bool:
 
 def _with_reference(config: RunShape) -> bool:
     return config.reference
+
+
+def _with_judge(config: RunShape) -> bool:
+    return config.judge is not None
 
 
 def _with_teacher(config: RunShape) -> bool:
@@ -241,8 +251,36 @@ ROLES: tuple[RoleDef, ...] = (
         checks=("model", "prompt_format", "engine"),
     ),
     RoleDef(
-        "reward",
+        "genrm",
         input="rollouts",
+        output=lambda c: "judged",
+        grants={},
+        module="workers.roles.genrm",
+        deploy=RoleDeploy(
+            compose_about=(
+                "Only runs with a judge section have a genrm role (a generative reward model; examples/compose.yaml\n"
+                "has none, and a genrm worker of a run without one exits with an error): docker compose --profile\n"
+                "genrm up -d"
+            ),
+            compose_extra='profiles: ["genrm"]',
+            k8s_about=(
+                "A judge model's verdict on every sample (durable consumer `genrm` of RELAX_<run>_ROLLOUTS). A genrm\n"
+                "worker of a run without the role exits with an error: scale it up only where it exists."
+            ),
+            k8s_spec="replicas: 0                       # only runs with a judge section have one",
+            requests='{cpu: "1", memory: 2Gi}',
+            limits="{memory: 4Gi}",
+        ),
+        enabled=_with_judge,
+        why_absent="the run has no judge section",
+        count_needs_role=True,
+        scalable="Judge processes; they share the durable of the rollouts hop.",
+        checks=("task", "judge"),
+    ),
+    RoleDef(
+        "reward",
+        input="judged",
+        input_of=lambda c: "judged" if c.judge is not None else "rollouts",
         output=lambda c: "scored" if c.reference or c.teacher is not None else "train",
         grants=dict(state_keys=(GROUPS_FILTERED,)),  # dynamic sampling's filtered set
         module="workers.roles.reward",

@@ -243,7 +243,7 @@ def test_scaledobject_follows_the_roles_durable_in_the_example_run(role: str) ->
     docs = rendered("base")
     config = _example()
     topology = build_topology(config)
-    hop = role_def(role).input
+    hop = topology.role(role).input
     assert hop is not None
     consumer = topology.consumer(hop)
     scaled = find(docs, "ScaledObject", f"relax-{role}")

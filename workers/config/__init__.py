@@ -26,6 +26,7 @@ from relax_bus.overrides import load_with_overrides
 from relax_bus.settings import RunConfig, parse_run_config
 from workers.config.agent import AgentConfig, EnvSpec
 from workers.config.base import Section
+from workers.config.judge import JudgeConfig
 from workers.config.metrics import MetricsConfig, MetricsLaunch, WandbConfig
 from workers.config.model_source import (
     DirSource,
@@ -99,6 +100,7 @@ __all__ = [
     "HfTask",
     "JsonlOptions",
     "JsonlTask",
+    "JudgeConfig",
     "LossConfig",
     "MathOptions",
     "MathReward",
@@ -237,6 +239,9 @@ class PipelineConfig(RunConfig):
     """Dynamic sampling: drop groups whose rewards are all equal, replaced by the feeder within a bound."""
     agent: AgentConfig | None = None
     """Multi-turn episodes with an environment on the bus (docs/agentic.md); null: one response per prompt."""
+    judge: JudgeConfig | None = None
+    """A generative reward model: the `genrm` role asks a judge model about every sample, and its score joins the rule
+    rewards (docs/judges.md); null: no judge."""
     teacher: TeacherConfig | None = None
     """On-policy distillation: the `teacher` role scores every sampled token with a teacher model, and the trainer
     takes log p_teacher - log p_sampling as a per-token advantage (docs/algorithms.md); null: no teacher."""
@@ -273,6 +278,10 @@ class PipelineConfig(RunConfig):
             problems.append(
                 f"trainer.moe.routing_replay r3 needs the rollout engine to record routed experts: only the torch "
                 f"engine does (rollout.engine is {self.rollout.engine.type}; docs/r3.md)"
+            )
+        if self.judge is not None and self.agent is not None:
+            problems.append(
+                "a judge reads one response per prompt: an agent's episodes are scored by rules or their environment"
             )
         if self.teacher is not None and self.model.source.type == "tiny-omni":
             problems.append("a teacher scores text only: a multimodal policy (tiny-omni) cannot be distilled")

@@ -54,6 +54,7 @@ from workers.roles.step_samples import step_samples
 from workers.state_keys import GROUPS_DROPPED, TRAINER_DONE, TRAINER_STEP
 from workers.training.devices import reads_ahead
 from workers.training.distributed import DrivenTrainer, warm_up
+from workers.training.judge_metrics import judge_metrics
 from workers.training.step_metrics import episode_metrics, policy_aliases, response_metrics, reward_metrics
 from workers.training.trainer import PolicyTrainer
 from workers.weights import WeightTransport
@@ -154,6 +155,9 @@ class Actor:
         self._holding: set[int] = set()
         """Release indices of the groups held for the step being collected."""
         self.checkpoints = ActorCheckpoints(bus, trainer.checkpoints)
+        judge = bus.config.judge
+        self.judge_check = judge.check.label if judge is not None and judge.check is not None else None
+        """The label of the rule logged beside the judge (`judge.check`), whose agreement with it each step reports."""
         self.media = ActorMedia(getattr(trainer, "prompter", None), bus.media)
         """Processor tensors of the held media groups (a multimodal policy)."""
 
@@ -360,6 +364,7 @@ class Actor:
             "rollout_tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
             **{f"lag_{k}": float(v) for k, v in sorted(lags.items())},
             **episode_metrics(samples),
+            **judge_metrics([h.message for h in held], self.judge_check),
             **self._step_timings(),
         }
         logged = step_samples(groups, self.cfg.metrics.samples_per_step, self.cfg.metrics.sample_text_bytes)

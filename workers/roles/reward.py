@@ -8,6 +8,11 @@ token ids with the run's tokenizer (`scored_text`), never taken from the message
 says one thing and whose ids another is scored by its ids (and the scored group carries that text on).
 Output goes to `scored` when the reference role is in the chain, else straight to `train`.
 
+With a judge (`judge:`, the `genrm` role before this one), each sample's reward is the weighted rule rewards plus
+`judge.weight x` the judge's score (component `judge`); a sample the judge gave no verdict has an error and is left
+out of training. Without `rewards` such a run's reward is the judge's alone (not the task's default rule), and
+`judge.check`, a rule logged beside it, lands in each sample's `RewardDetail.checks`.
+
 Dynamic sampling (`sampling.drop_uniform`): a group whose rewards are all equal has zero advantages, so it is
 not published; it is recorded in the run's filtered set (`workers.roles.filtered_credit`, which returns its
 credit to the feeder, once however often the group is redelivered), announced with a `group_filtered` event
@@ -26,7 +31,7 @@ from relax_bus.control import Reject, Skip
 from relax_bus.errors import ConfigError
 from relax_bus.log import get_logger
 from relax_bus.worker import Delivery, Worker, WorkerOptions
-from schemas import PromptGroup, RewardDetail, RolloutGroup, RunEvent, Sample, ScoredGroup, TrainGroup
+from schemas import Judgement, PromptGroup, RewardDetail, RolloutGroup, RunEvent, Sample, ScoredGroup, TrainGroup
 from workers.config import PipelineConfig, task_seed, task_spec
 from workers.data.byte_text import BYTE_SOURCES, ByteDecoder
 from workers.data.tasks import TaskItem, load_task
@@ -39,14 +44,28 @@ from workers.roles.serve import RoleContext, run_worker
 log = get_logger(__name__)
 
 
-def make_scorer(bus: Bus) -> Scorer:
-    """The run's scorer: configured reward terms, or the task's default."""
-    return make_scorer_from(bus.config)
+def make_scorer(bus: Bus) -> Scorer | None:
+    """The run's scorer: configured reward terms, or the task's default; None in a run whose judge is its only
+    reward (a `judge` section and no `rewards`)."""
+    cfg = bus.config
+    if not cfg.rewards and cfg.judge is not None:
+        return None
+    return make_scorer_from(cfg)
 
 
 def make_scorer_from(cfg: PipelineConfig) -> Scorer:
     """A scorer for a run config (also used to check the config before a run starts)."""
     return Scorer(list(cfg.rewards) or default_rewards(_task_name(cfg)))
+
+
+@dataclass(frozen=True)
+class Judged:
+    """How the judge's verdicts join a sample's reward: its weight, and the rule logged beside it."""
+
+    weight: float = 1.0
+    check: Scorer | None = None
+    """The `judge.check` reward (None: no check)."""
+    check_label: str = "check"
 
 
 def run_tokenizer(cfg: PipelineConfig, cache_dir: Path | None = None) -> Any:
@@ -111,17 +130,19 @@ class TrustedTask:
 
 
 def score_group(
-    scorer: Scorer,
+    scorer: Scorer | None,
     group: RolloutGroup,
     worker_id: str = "",
     answer: str | None = None,
     tokenizer: Any = None,
     episode_reward: str = "rule",
+    judged: Judged | None = None,
 ) -> ScoredGroup:
     """Score each sample against `answer` (default: the one the message carries); failures are zero
     rewards with the error in the details. With `tokenizer`, the text scored is decoded from the token ids
     (`scored_text`), and a sample whose sent text differs carries the decoded one on. An episode is scored by
-    its final answer and, as `episode_reward` (`agent.reward`) says, its environment reward."""
+    its final answer and, as `episode_reward` (`agent.reward`) says, its environment reward. A group with the judge's
+    verdicts adds `judged.weight x score` to each reward; a sample without a verdict gets an error (left out)."""
     rewards, details = [], []
     answer = group.prompt.answer if answer is None else answer
     samples = group.samples if tokenizer is None else tuple(_as_decoded(tokenizer, s) for s in group.samples)
@@ -129,14 +150,35 @@ def score_group(
         differ = sum(a.text != b.text for a, b in zip(samples, group.samples, strict=True))
         log.warning("sample_text_replaced", group_id=group.group_id, samples=differ, source=group.worker_id)
         group = group.model_copy(update={"samples": samples})
-    for sample in samples:
-        if sample.episode is None:
+    for i, sample in enumerate(samples):
+        if scorer is None:  # the judge's score is the whole reward
+            reward, components, error = 0.0, {}, None
+        elif sample.episode is None:
             reward, components, error = scorer.score(sample.text, answer, sample.finish_reason)
         else:
             reward, components, error = _score_episode(scorer, sample, answer, tokenizer, episode_reward)
+        checks: dict[str, float] = {}
+        if group.judgements is not None:
+            reward, components, error = _with_verdict(reward, components, error, group.judgements[i], judged)
+            if judged is not None and judged.check is not None:
+                value, _, failed = judged.check.score(sample.text, answer, sample.finish_reason)
+                checks = {} if failed is not None else {judged.check_label: value}
         rewards.append(reward)
-        details.append(RewardDetail(components=components, error=error))
+        details.append(RewardDetail(components=components, error=error, checks=checks))
     return ScoredGroup(rollout=group, rewards=tuple(rewards), details=tuple(details), worker_id=worker_id)
+
+
+def _with_verdict(
+    reward: float, components: dict[str, float], error: str | None, verdict: Judgement, judged: Judged | None
+) -> tuple[float, dict[str, float], str | None]:
+    """A sample's (reward, components, error) with the judge's verdict added: `weight x score` as the component
+    `judge`, or, without a verdict, no reward and the judge's error (the sample is left out, not scored 0)."""
+    if error is not None:
+        return reward, components, error
+    if verdict.score is None:
+        return 0.0, {}, f"judge: {verdict.error}"
+    value = (judged.weight if judged is not None else 1.0) * verdict.score
+    return reward + value, {**components, "judge": value}, None
 
 
 def episode_answer(tokenizer: Any, sample: Sample) -> str:
@@ -196,11 +238,18 @@ def reward_worker(
         )
     worker_id = options.worker_id
     episode_reward = bus.config.agent.reward if bus.config.agent is not None else "rule"
+    judge = bus.config.judge
+    judged = None
+    if judge is not None:
+        check = Scorer([judge.check]) if judge.check is not None else None
+        judged = Judged(judge.weight, check, judge.check.label if judge.check is not None else "check")
 
     async def handle(group: RolloutGroup, delivery: Delivery) -> ScoredGroup | TrainGroup:
         answer = task.answer(group.prompt) if task is not None else None
         async with one_at_a_time:
-            scored = await asyncio.to_thread(score_group, scorer, group, worker_id, answer, tokenizer, episode_reward)
+            scored = await asyncio.to_thread(
+                score_group, scorer, group, worker_id, answer, tokenizer, episode_reward, judged
+            )
         if drop_uniform:
             await filter_uniform(bus, scored, worker_id)
         return TrainGroup(scored=scored) if to_train else scored

@@ -1,0 +1,184 @@
+"""The generative reward model: verdicts read from a judge's logits or text, how they join the reward (and how a
+missing one leaves a sample out), the step's judge figures, the config and the judge trainer's inputs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from relax_bus.settings import ConfigError
+from schemas import Judgement, RewardDetail, ScoredGroup, TrainGroup
+from tests.workers.test_trainer import engine_groups
+from workers.config import parse_config
+from workers.data.models import load_model, load_tokenizer, materialize
+from workers.data.tasks import load_task
+from workers.engines.torch_engine import TorchEngine
+from workers.launch.judge_train import read_labelled, task_pairs
+from workers.rewards.judge import Judge, judge_prompt, parse_verdict
+from workers.rewards.scorer import Scorer
+from workers.roles.reward import Judged, score_group
+from workers.training.batch import make_batch
+from workers.training.judge_metrics import judge_metrics
+
+pytestmark = pytest.mark.workers
+
+
+def config(**judge):
+    return parse_config({"run": "judge", "judge": {"source": "tiny:64x2", "yes_text": "yes", "no_text": "no", **judge}})
+
+
+@pytest.fixture(scope="module")
+def judge_dir(tmp_path_factory):
+    return materialize("tiny:64x2", tmp_path_factory.mktemp("judge") / "j", seed=3)
+
+
+# ---- verdicts --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "score"),
+    [(" yes", 1.0), ("Yes.", 1.0), ("no, it is 8", 0.0), ("NO", 0.0), ("maybe", None), ("", None), ("yesno", None)],
+)
+def test_a_text_verdict_is_its_first_word(text, score):
+    assert parse_verdict(text, " yes", " no") == score
+
+
+def test_the_template_is_filled_and_checked():
+    assert judge_prompt("Q {prompt} A {response} R {reference}", "1+2=", "3", None) == "Q 1+2= A 3 R "
+    with pytest.raises(ConfigError, match="unknown template fields"):
+        config(template="{prompt}{answer}")
+    with pytest.raises(ConfigError, match="must contain"):
+        config(template="{prompt}")
+
+
+def test_p_yes_is_the_softmax_of_the_two_verdict_logits_whatever_the_padding(judge_dir):
+    cfg = config().judge
+    assert cfg is not None
+    model, tokenizer = load_model(judge_dir), load_tokenizer(judge_dir)
+    judge = Judge(model, tokenizer, cfg)
+    texts = ["1+2=3\nverdict:", "7+8=15 and some more text\nverdict:", "0+0=0\nverdict:"]
+    batched = [j.score for j in judge.judge(texts)]
+    y, n = tokenizer.encode("y", add_special_tokens=False)[0], tokenizer.encode("n", add_special_tokens=False)[0]
+    for text, got in zip(texts, batched, strict=True):
+        ids = torch.tensor([judge.ids(text)])
+        with torch.no_grad():
+            last = model(input_ids=ids).logits[0, -1]
+        expected = float(torch.softmax(last[[y, n]], dim=-1)[0])
+        assert got is not None and abs(got - expected) < 1e-5, (text, got, expected)
+
+
+def test_text_verdicts_that_say_neither_are_errors_not_zeros(judge_dir):
+    cfg = config(verdict="text", max_new_tokens=3).judge
+    assert cfg is not None
+    found = Judge(load_model(judge_dir), load_tokenizer(judge_dir), cfg).judge(["1+2=3\nverdict:"] * 2)
+    # An untrained judge writes bytes at random: what it writes decides, and a score is never made up.
+    for j in found:
+        if j.score is None:
+            assert j.error is not None and j.error.startswith("unparsable verdict")
+        else:
+            assert parse_verdict(j.verdict, "yes", "no") == j.score
+    with pytest.raises(ValueError, match="a score or an error"):
+        Judgement()
+
+
+# ---- the reward -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory):
+    model_dir = materialize("tiny:64x2", tmp_path_factory.mktemp("policy") / "p", seed=1)
+    return [g.scored.rollout for g in engine_groups(TorchEngine(model_dir), ["1+2="], n=4)]
+
+
+def test_the_judges_score_joins_the_weighted_rules_and_a_missing_verdict_leaves_the_sample_out(groups):
+    (rollout,) = groups
+    verdicts = (
+        Judgement(score=0.9),
+        Judgement(score=0.2),
+        Judgement(error="judge timeout after 60 s"),
+        Judgement(score=1.0),
+    )
+    judged = rollout.model_copy(update={"judgements": verdicts})
+    exact = Scorer(list(parse_config({"run": "r", "rewards": [{"type": "exact", "weight": 0.5}]}).rewards))
+    check = Scorer(list(parse_config({"run": "r", "rewards": [{"type": "exact"}]}).rewards))
+    scored = score_group(exact, judged, answer="3", judged=Judged(2.0, check, "exact"))
+    for sample, reward, detail, verdict in zip(rollout.samples, scored.rewards, scored.details, verdicts, strict=True):
+        right = sample.text.strip() == "3" and sample.finish_reason == "stop"
+        if verdict.score is None:
+            assert reward == 0.0 and detail.error == "judge: judge timeout after 60 s" and detail.components == {}
+        else:
+            assert reward == pytest.approx(0.5 * right + 2.0 * verdict.score)
+            assert detail.components["judge"] == pytest.approx(2.0 * verdict.score) and detail.error is None
+        assert detail.checks == {"exact": float(right)}  # logged, never rewarded
+    batch = make_batch([TrainGroup(scored=scored)])
+    assert batch.valid is not None and batch.valid.tolist() == [[True, True, False, True]]
+    assert float(batch.mask[2].sum()) == 0.0  # the sample without a verdict trains nothing
+
+
+def test_without_rules_a_judged_run_is_rewarded_by_the_judge_alone(groups):
+    (rollout,) = groups
+    judged = rollout.model_copy(update={"judgements": tuple(Judgement(score=0.25) for _ in rollout.samples)})
+    scored = score_group(None, judged, answer="3", judged=Judged(1.0))
+    assert scored.rewards == (0.25,) * 4 and all(d.components == {"judge": 0.25} for d in scored.details)
+
+
+def test_the_step_reports_errors_agreement_and_false_positives_against_the_check(groups):
+    (rollout,) = groups
+    verdicts = (Judgement(score=0.9), Judgement(score=0.8), Judgement(error="x"), Judgement(score=0.1))
+    checks = ({"exact": 1.0}, {"exact": 0.0}, {"exact": 0.0}, {"exact": 0.0})
+    scored = ScoredGroup(
+        rollout=rollout.model_copy(update={"judgements": verdicts}),
+        rewards=(0.0,) * 4,
+        details=tuple(RewardDetail(checks=c) for c in checks),
+    )
+    got = judge_metrics([TrainGroup(scored=scored)], "exact")
+    assert got["judge_error_rate"] == 0.25
+    assert got["judge_score_mean"] == pytest.approx(0.6)
+    assert got["judge_check_mean"] == 0.25  # over every sample with a check, the judged-out one included
+    assert got["judge_agreement"] == pytest.approx(2 / 3)  # yes/right, yes/wrong, no/wrong
+    assert got["judge_false_positive_rate"] == pytest.approx(1 / 3)
+    assert judge_metrics([TrainGroup(scored=ScoredGroup(rollout=rollout, rewards=(0.0,) * 4))], "exact") == {}
+    assert math.isnan(judge_metrics([TrainGroup(scored=scored)], "other")["judge_agreement"])
+
+
+# ---- the config and the trainer's inputs -------------------------------------------------------------------------
+
+
+def test_the_genrm_role_sits_before_the_reward_role():
+    chain = [(r.name, r.input, r.output) for r in config().chain]
+    assert chain[1:4] == [
+        ("rollout", "prompts", "rollouts"),
+        ("genrm", "rollouts", "judged"),
+        ("reward", "judged", "train"),
+    ]
+    assert "genrm" not in [r.name for r in parse_config({"run": "r"}).chain]
+    with pytest.raises(ConfigError, match="no genrm role"):
+        parse_config({"run": "r", "roles": {"genrm": 2}})
+
+
+def test_task_pairs_are_the_answer_and_near_misses(tmp_path):
+    items = load_task({"type": "addition", "seed": 0})[:20]
+    pairs = task_pairs(items, wrong_per_item=4, seed=0)
+    assert len(pairs) == 100 and sum(p.label for p in pairs) == 20
+    assert all((p.response == p.reference) == p.label for p in pairs)
+    with pytest.raises(ValueError, match="whole-number answers"):
+        task_pairs(load_task({"type": "reverse", "seed": 0})[:2])
+
+
+def test_labelled_data_errors_name_the_line(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    good = [json.dumps({"prompt": "1+1=", "response": "2", "label": True})] * 10
+    path.write_text("\n".join([*good, json.dumps({"prompt": "1+1=", "response": "3", "label": "no"})]))
+    with pytest.raises(ValueError, match=r"pairs.jsonl:11: label must be true or false"):
+        read_labelled(path)
+    path.write_text("\n".join([*good, "{"]))
+    with pytest.raises(ValueError, match=r"pairs.jsonl:11: not a labelled pair"):
+        read_labelled(path)
+    path.write_text("\n".join(good[:3]))
+    with pytest.raises(ValueError, match="at least 10"):
+        read_labelled(path)
+    path.write_text("\n".join(good))
+    assert len(read_labelled(path)) == 10
