@@ -16,10 +16,18 @@ def problems_of(roles) -> list[str]:
 
 def test_counts_default_to_one_and_the_registry_reads_them():
     config = parse_config({"run": "r", "roles": {"rollout": 3}, "trainer": {"kl": {"coef": 0.1}}})
-    assert config.model_dump()["roles"] == {"rollout": 3, "reward": 1, "reference": 1, "teacher": 1, "env": 1}
+    assert config.model_dump()["roles"] == {
+        "rollout": 3,
+        "genrm": 1,
+        "reward": 1,
+        "reference": 1,
+        "teacher": 1,
+        "env": 1,
+    }
     assert {r.name: r.processes(config) for r in ROLES} == {
         "feeder": 1,
         "rollout": 3,
+        "genrm": 1,
         "reward": 1,
         "reference": 1,
         "actor": 1,
@@ -27,12 +35,12 @@ def test_counts_default_to_one_and_the_registry_reads_them():
         "teacher": 1,
         "env": 1,
     }
-    assert set(SCALABLE_ROLES) == {"rollout", "reward", "reference", "teacher", "env"}
+    assert set(SCALABLE_ROLES) == {"rollout", "genrm", "reward", "reference", "teacher", "env"}
 
 
 def test_unknown_and_single_process_roles_are_refused_each_on_one_line():
     problems = problems_of({"rollouts": 2, "actor": 2, "feeder": 1, "reward": 2})
-    counted = "rollout, reward, reference, teacher, env"
+    counted = "rollout, genrm, reward, reference, teacher, env"
     assert problems == [
         f"roles.rollouts: unknown role 'rollouts' (roles with a process count: {counted}) (got 2)",
         f"roles.actor: the actor role runs as one process: only {counted} take a process count (got 2)",
