@@ -27,6 +27,7 @@ from relax_bus.cancel import cancel_and_wait
 from relax_bus.connection import forget_credentials
 from relax_bus.errors import ConfigError
 from relax_bus.log import get_logger
+from relax_bus.probe import clear as clear_probe_file
 from relax_bus.settings import ConnectionSettings
 from relax_bus.worker import Worker
 from workers.config import PipelineConfig
@@ -61,9 +62,21 @@ class RoleContext:
         return self.bus
 
 
-async def run_role(role: str, settings: ConnectionSettings, run: str, work_dir: Path, threads: int = 1) -> int:
-    """Connect (retrying for `settings.connect_retry_s`), run the role until done or stopped; return an exit code."""
+async def run_role(
+    role: str,
+    settings: ConnectionSettings,
+    run: str,
+    work_dir: Path,
+    threads: int = 1,
+    heartbeat_file: Path | None = None,
+) -> int:
+    """Connect (retrying for `settings.connect_retry_s`), run the role until done or stopped; return an exit code.
+    With `heartbeat_file`, its heartbeat is mirrored there for the container's probes (`relax probe`)."""
     make_undumpable()
+    if heartbeat_file is not None:
+        # A container restarted in its pod keeps /tmp: its predecessor's beats must not judge it. (Under torchrun
+        # every rank clears it at start; only rank 0 beats, after connecting, so the file is back within a beat.)
+        clear_probe_file(heartbeat_file)
     hide(work_dir, *(path.parent for path in _login_files(settings)), *hidden_by_launcher())
     entry = role_def(role)
     if entry.torch_threads:
@@ -97,6 +110,7 @@ async def run_role(role: str, settings: ConnectionSettings, run: str, work_dir: 
     except ConfigError:
         await bus.close()
         raise
+    bus.heartbeat_file = heartbeat_file
     ctx.bus = bus
     try:
         await module.serve(ctx)
