@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Generic
 
@@ -25,6 +26,9 @@ from schemas import Message
 
 log = get_logger(__name__)
 
+JS_TIMEOUT_S = 10.0
+"""How long a JetStream request of a role's bus (a publish, a KV put) waits for the server's answer."""
+
 
 @dataclass
 class Bus(Generic[C]):
@@ -42,6 +46,9 @@ class Bus(Generic[C]):
     state: KeyValue
     workers: KeyValue
     version: PolicyVersion
+    heartbeat_file: Path | None = None
+    """Where this process's heartbeat loops also record each beat, for the container's probes (`relax_bus.probe`;
+    `relax worker --heartbeat-file`); None: nowhere."""
 
     @classmethod
     async def connect(
@@ -70,7 +77,7 @@ class Bus(Generic[C]):
     ) -> Bus[C]:
         """Build a Bus over an existing connection. Its start-up reads ride through an outage or a server too
         loaded to answer in time (`through_outage`), as the connection itself does."""
-        js = nc.jetstream(timeout=10.0)
+        js = nc.jetstream(timeout=JS_TIMEOUT_S)
         config = await through_outage(lambda: read_config(js, run, model=config_model), f"read run {run}'s config")
         assert config is not None
         topology = build_topology(config)

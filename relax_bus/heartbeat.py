@@ -31,6 +31,7 @@ from nats.js.kv import KeyValue
 from relax_bus.cancel import cancel_and_wait
 from relax_bus.kv_keys import kv_keys
 from relax_bus.log import get_logger
+from relax_bus.probe import ProbeFile
 from schemas import UnknownSchemaVersion, WorkerHeartbeat, decode
 from schemas.messages import SCHEMA_MAJOR
 
@@ -91,18 +92,36 @@ def read_heartbeat(value: bytes) -> WorkerHeartbeat:
 class HeartbeatWriter:
     """Background task that writes `make()` to the workers bucket every `interval_s` seconds."""
 
-    def __init__(self, kv: KeyValue, key: str, make: Callable[[], WorkerHeartbeat], interval_s: float) -> None:
+    def __init__(
+        self,
+        kv: KeyValue,
+        key: str,
+        make: Callable[[], WorkerHeartbeat],
+        interval_s: float,
+        probe_file: ProbeFile | None = None,
+    ) -> None:
         self.kv = kv
         self.key = key
         self.make = make
         self.interval_s = interval_s
+        self.probe_file = probe_file
+        """Where every attempt is mirrored for the container's probes (`relax_bus.probe`); None: nowhere."""
         self._task: asyncio.Task[None] | None = None
         self.last_beat_at: float | None = None
         """`time.monotonic()` when the newest beat was stored (None before the first)."""
+        self._stored_at: float | None = None
+        """`time.time()` when the newest beat was stored, for the probe file."""
 
     async def beat(self) -> None:
-        await self.kv.put(self.key, heartbeat_bytes(self.make()))
-        self.last_beat_at = time.monotonic()
+        """Store one beat; the probe file (if any) records the attempt, stored or not."""
+        tried_at = time.time()
+        try:
+            await self.kv.put(self.key, heartbeat_bytes(self.make()))
+            self.last_beat_at = time.monotonic()
+            self._stored_at = tried_at
+        finally:
+            if self.probe_file is not None:
+                self.probe_file.record(tried_at, self._stored_at)
 
     @property
     def running(self) -> bool:
@@ -126,6 +145,8 @@ class HeartbeatWriter:
         if self._task is not None:
             await cancel_and_wait(self._task)
             self._task = None
+        if self.probe_file is not None:
+            self.probe_file.clear()
         if remove:
             # Bounded: with the server gone (stopped together with this process, as `compose down` does) the
             # delete would wait for a reply that never comes. The entry's TTL removes it anyway.

@@ -7,7 +7,8 @@ progress, the feeder's dead-letter credit, `relax_bus.follow`). What they share 
 
 - the heartbeat: the loop's entry `<role>.<worker id>` in the run's workers bucket, rewritten every third
   of the bucket's TTL with the loop's `counters` (and the role's own `counts`) and the `policy_version`
-  the role says it works with. `run` keeps it for as long as the loop runs; `alive()` starts it earlier,
+  the role says it works with, and mirrored into the bus's `heartbeat_file` when it has one (the container
+  probes, `relax_bus.probe`). `run` keeps it for as long as the loop runs; `alive()` starts it earlier,
   for a role whose setup takes long (a trainer's warm-up). A loop that runs for no role (a follower
   inside another role's process, or the launcher's) keeps none: its process beats for itself;
 - the log context: while the heartbeat runs, every log event of the loop (and of the role's code it calls)
@@ -31,11 +32,12 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict
 
 from relax_bus import log
-from relax_bus.bus import Bus
+from relax_bus.bus import JS_TIMEOUT_S, Bus
 from relax_bus.cancel import cancel_and_wait
 from relax_bus.delivery import Counters, WorkerOptions
 from relax_bus.heartbeat import HeartbeatWriter, process_heartbeat
 from relax_bus.outage import through_outage
+from relax_bus.probe import ProbeFile
 from schemas import WorkerHeartbeat
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -60,8 +62,11 @@ class Loop:
         self._stop = asyncio.Event()
         self._heartbeat: HeartbeatWriter | None = None
         if role is not None:
-            interval_s = bus.config.bus.heartbeat_ttl_s / 3
-            self._heartbeat = HeartbeatWriter(bus.workers, f"{role}.{self.worker_id}", self._beat, interval_s)
+            ttl_s = bus.config.bus.heartbeat_ttl_s
+            every_s = ttl_s / 3 + JS_TIMEOUT_S  # a put waits this long for a server that is away
+            probe = ProbeFile(bus.heartbeat_file, ttl_s, every_s) if bus.heartbeat_file is not None else None
+            key = f"{role}.{self.worker_id}"
+            self._heartbeat = HeartbeatWriter(bus.workers, key, self._beat, ttl_s / 3, probe)
 
     @property
     def worker_id(self) -> str:

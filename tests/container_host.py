@@ -14,10 +14,12 @@ that binary, and NATS_IMAGE, the image of the compose files and of the container
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import shutil
 import subprocess
+import time
 import tomllib
 from pathlib import Path
 from typing import NoReturn
@@ -28,6 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CONTAINERS_SH = ROOT / ".ci" / "containers.sh"
 REQUIRE_CONTAINERS = os.environ.get("CI", "").lower() == "true" or os.environ.get("RELAX_REQUIRE_CONTAINERS") == "1"
 PREPARE_TIMEOUT_S = 1800  # a cold host: apt, debootstrap, the stand-in images (~2 min here)
+IMAGE = "relax-bus:local"  # the name docker-compose.yml gives ./Dockerfile's image
+IMAGE_LABEL = "org.relax-bus.image=relax-bus"  # the Dockerfile's LABEL, on every stage
+BUILD_TIMEOUT_S = 1200  # a cold image build: torch, transformers, the project (~3-5 min here)
 
 
 def _pinned_nats_server() -> str:
@@ -73,3 +78,23 @@ def docker_api_env() -> dict[str, str]:
     expected = {"DOCKER_HOST", "TESTCONTAINERS_RYUK_DISABLED", "TESTCONTAINERS_CONNECTION_MODE"}
     assert expected <= env.keys(), f"docker-socket printed {socket.stdout!r}"
     return env
+
+
+@functools.cache
+def project_image() -> str:
+    """./Dockerfile's image (CPU variant, torch from .wheelhouse) built from this tree, once per session (only the
+    changed layers); the untagged builds it replaces are pruned. Its name, IMAGE."""
+    prepare_host()
+    stamp = int(time.time())
+    build = subprocess.run(
+        ["podman", "build", "--pull=never", "-t", IMAGE, "--build-arg", "TORCH_WHEELHOUSE=.wheelhouse", "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT_S,
+    )
+    if build.returncode != 0:
+        pytest.fail(f"podman build of {IMAGE} failed:\n{build.stdout[-3000:]}\n{build.stderr[-3000:]}")
+    prune = ["podman", "image", "prune", "-f", "--filter", f"label={IMAGE_LABEL}", "--filter", f"until={stamp}"]
+    subprocess.run(prune, capture_output=True, timeout=300)
+    return IMAGE

@@ -2,6 +2,7 @@
 
     relax server | init | inspect | auth     the bus (run configs are read as the pipeline's)
     relax worker ROLE --run RUN               one role of an initialised run (roles: the registry's)
+    relax probe ready|live --heartbeat-file F  a container probe of the worker started with that file
     relax env serve MODULE:CLASS --run RUN    an environment class as one instance of the run's env service
     relax run CONFIG [section.key=value ...]  a whole run on this machine (overrides validated with CONFIG)
     relax replay RUN --step N                 recompute one step from its checkpoint
@@ -55,6 +56,11 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--run", "--run-id", dest="run", required=True, help="run id")
     w.add_argument("--work-dir", default="./.relax/work", help="local cache for model files (default ./.relax/work)")
     w.add_argument("--threads", type=int, default=1, help="torch threads of this process (default 1)")
+    w.add_argument(
+        "--heartbeat-file",
+        type=Path,
+        help="also record each heartbeat in this file, for container probes (`relax probe ready|live`)",
+    )
     w.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
@@ -153,7 +159,8 @@ async def _worker(args: argparse.Namespace, config_model: type[RunConfig]) -> in
     # log), `kill -USR2 PID` every asyncio task's (where each coroutine waits).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, _dump_tasks)
-    return await run_role(args.role, connection_settings(args), args.run, Path(args.work_dir), args.threads)
+    settings = connection_settings(args)
+    return await run_role(args.role, settings, args.run, Path(args.work_dir), args.threads, args.heartbeat_file)
 
 
 async def _env(args: argparse.Namespace, config_model: type[RunConfig]) -> int:

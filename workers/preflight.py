@@ -24,6 +24,10 @@ from workers.config import PipelineConfig, task_spec
 
 Found = dict[str, Any]
 """What the checks have built so far (the model directory, the task's items), for the checks after them."""
+SCORING_MODULES = {"math": "math_verify"}
+"""Built-in rewards whose module is imported only when a sample is scored (in the reward sandbox)."""
+MODULE_EXTRAS = {"datasets": "models", "math_verify": "models", "gguf": "models", "accelerate": "models"}
+"""Optional modules a config's parts may need, and the project's extra that installs each."""
 
 
 def _model(config: PipelineConfig, work_dir: Path, found: Found) -> None:
@@ -65,12 +69,18 @@ def _prompt_renders(config: PipelineConfig, work_dir: Path, found: Found) -> Non
 
 
 def _rewards(config: PipelineConfig, work_dir: Path, found: Found) -> None:
-    """Every reward function builds (a `python` reward's module imports), as the reward role builds them."""
+    """Every reward function builds (a `python` reward's module imports), as the reward role builds them, and the
+    modules the built-ins import only when they score are installed (else every sample would score 0)."""
     from workers.rewards.scorer import Scorer, default_rewards
 
     # The task's default reward when none is configured: the name its items carry (see workers.roles.reward).
     task_name = str(getattr(config.task.options, "task", config.task.type))
-    Scorer(list(config.rewards) or default_rewards(task_name)).close()
+    rewards = list(config.rewards) or default_rewards(task_name)
+    for reward in rewards:
+        module = SCORING_MODULES.get(reward.type)
+        if module is not None and importlib.util.find_spec(module) is None:
+            raise ModuleNotFoundError(f"the {reward.type} reward needs {module}", name=module)
+    Scorer(rewards).close()
 
 
 def _judge(config: PipelineConfig, work_dir: Path, found: Found) -> None:
@@ -146,8 +156,18 @@ def preflight(
             check(config, work_dir, found)
         except (ValueError, OSError) as err:  # deliberate: what the config names cannot be used, said in one line
             problems.append(f"{key}: {err}")
+        except ModuleNotFoundError as err:  # deliberate: a package the config needs is not installed here
+            problems.append(f"{key}: {_missing(err)}")
     if problems:
         raise ConfigError(source or f"run {config.run}", problems)
+
+
+def _missing(err: ModuleNotFoundError) -> str:
+    """A missing module in one line, with the extra that installs it."""
+    top = (err.name or "").split(".")[0]
+    extra = MODULE_EXTRAS.get(top)
+    where = f": install the `{extra}` extra (pip install 'relax-bus[{extra}]'; the image has it)" if extra else ""
+    return f"the Python module {top!r} is not installed{where}"
 
 
 def check_config(config: PipelineConfig) -> None:

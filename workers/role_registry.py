@@ -126,6 +126,10 @@ class RoleDeploy:
     """More keys of its container (ports)."""
     k8s_more: str = ""
     """More documents of its manifest (a Service)."""
+    k8s_pod: str = ""
+    """More keys of its pod spec (volumes)."""
+    gpus: int = 0
+    """NVIDIA GPUs one replica gets in the GPU variants (docker-compose.gpu.yml, deploy/k8s/overlays/gpu)."""
     hand_written: bool = False
     """Its manifest is deploy/k8s/base/<role>.yaml as edited by hand (listed in the kustomization still)."""
 
@@ -246,6 +250,7 @@ ROLES: tuple[RoleDef, ...] = (
             ),
             requests='{cpu: "1", memory: 2Gi}',
             limits="{memory: 4Gi}",
+            gpus=1,
         ),
         scalable="Rollout (generation) processes; they share the durable of the prompts hop.",
         checks=("model", "prompt_format", "engine"),
@@ -377,6 +382,7 @@ ROLES: tuple[RoleDef, ...] = (
         deploy=RoleDeploy(
             compose_about="Warm-up, version 0, then trainer.steps GRPO steps; exits 0 when the run is done.",
             hand_written=True,
+            gpus=1,
         ),
         ranks=lambda c: c.trainer.distributed.nproc,
         nodes=lambda c: c.trainer.distributed.nnodes,
@@ -402,13 +408,22 @@ ROLES: tuple[RoleDef, ...] = (
             k8s_about=(
                 "The metrics role: follows the run's events and serves Prometheus gauges on the `metrics` port (the\n"
                 "run config's metrics.prometheus_port, on 0.0.0.0: base/run.yaml), behind the Service below and the\n"
-                "ServiceMonitor (servicemonitor.yaml). Its file sinks (metrics.jsonl, TensorBoard) are written to the\n"
-                "pod's work dir, an emptyDir: mount a volume claim at /var/lib/relax to keep them past the pod."
+                "ServiceMonitor (servicemonitor.yaml). Its file sinks (metrics.jsonl, TensorBoard, W&B) go to\n"
+                "<work-dir>/<run>/metrics on the volume claim relax-metrics, so they outlive the pod; restarted, it\n"
+                "continues from its durable."
             ),
-            k8s_spec="replicas: 1",
+            k8s_spec=(
+                "replicas: 1\nstrategy:\n"
+                "  type: Recreate                  # one pod at a time: it holds relax-metrics (ReadWriteOnce)"
+            ),
             requests="{cpu: 100m, memory: 256Mi}",
             limits="{memory: 512Mi}",
-            k8s_container="ports:\n  - name: metrics\n    containerPort: 9464",
+            k8s_container=(
+                "ports:\n  - name: metrics\n    containerPort: 9464\n"
+                "volumeMounts:\n  - name: metrics                 # --work-dir: <run>/metrics is the sinks' directory\n"
+                "    mountPath: /var/lib/relax/.relax/work"
+            ),
+            k8s_pod="volumes:\n  - name: metrics\n    persistentVolumeClaim:\n      claimName: relax-metrics",
             k8s_more=(
                 "apiVersion: v1\n"
                 "kind: Service\n"
@@ -422,7 +437,20 @@ ROLES: tuple[RoleDef, ...] = (
                 "  ports:\n"
                 "    - name: metrics\n"
                 "      port: 9464\n"
-                "      targetPort: metrics"
+                "      targetPort: metrics\n"
+                "---\n"
+                "apiVersion: v1\n"
+                "kind: PersistentVolumeClaim\n"
+                "metadata:\n"
+                "  name: relax-metrics\n"
+                "  labels:\n"
+                "    app.kubernetes.io/component: metrics\n"
+                "spec:\n"
+                "  accessModes: [ReadWriteOnce]\n"
+                "  resources:\n"
+                "    requests:\n"
+                "      storage: 2Gi                # metrics.jsonl, TensorBoard and W&B files of the runs\n"
+                "  # storageClassName: standard     # the cluster's default class when unset"
             ),
         ),
         enabled=_with_metrics,

@@ -1,4 +1,4 @@
-"""The bus's commands: `server`, `init`, `inspect`, `auth`, `decode` (`server` and `auth` in
+"""The bus's commands: `server`, `init`, `inspect`, `auth`, `decode`, `probe` (`server` and `auth` in
 `relax_bus.ops.cli_server`; the flags and helpers commands share in `relax_bus.ops.arguments`). Arguments are
 parsed first; heavy modules are imported per command after.
 
@@ -17,6 +17,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from relax_bus.ops.arguments import (
@@ -31,6 +32,7 @@ from relax_bus.ops.arguments import (
     with_overrides,
 )
 from relax_bus.ops.cli_server import auth_command, server_command
+from relax_bus.probe import KINDS, probe
 
 if TYPE_CHECKING:
     from relax_bus.settings import RunConfig
@@ -100,6 +102,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, Any]:
     n.add_argument("run", help="run id")
     n.add_argument("--json", action="store_true", help="print the result as JSON")
 
+    pr = sub.add_parser(
+        "probe",
+        help="a container probe: exit 0 when this container's worker is ready (beating) or live (its loop runs)",
+    )
+    pr.add_argument("kind", choices=KINDS, help="ready: its heartbeat is stored; live: its heartbeat loop runs")
+    pr.add_argument(
+        "--heartbeat-file",
+        type=Path,
+        required=True,
+        help="the file the worker was started with (`relax worker ... --heartbeat-file`)",
+    )
+
     d = sub.add_parser(
         "decode",
         help="print a message body (msgpack, on stdin) as JSON: nats stream get STREAM SEQ --translate 'relax decode'",
@@ -116,6 +130,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, Any]:
         "config",
         help=CONFIG_HELP,
     )
+    with_overrides(a)
     a.add_argument("--out", required=True, help="directory for nats-server.conf, auth.conf and <role>.env files")
     a.add_argument("--host", default="127.0.0.1", help="address the server listens on (default 127.0.0.1)")
     a.add_argument("--port", type=int, default=4222, help="client port (default 4222)")
@@ -184,6 +199,8 @@ def main(
         args.overrides += extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "probe":  # before logging and settings (pydantic: ~0.5 s): a probe runs every few seconds
+        return _probe(args)
     from relax_bus import log
     from relax_bus.errors import RelaxBusError
     from relax_bus.settings import RunConfig
@@ -243,6 +260,13 @@ async def _inspect(args: argparse.Namespace, config_model: type[RunConfig]) -> i
         await nc.close()
     print(json.dumps(info, indent=2) if args.json else render(info))
     return 0
+
+
+def _probe(args: argparse.Namespace) -> int:
+    """`relax probe ready|live`: one line saying why, exit 0 if the probe passes, 1 if not."""
+    passes, why = probe(args.kind, args.heartbeat_file)
+    print(f"{args.kind}: {'yes' if passes else 'no'}: {why}")
+    return 0 if passes else 1
 
 
 def _decode(args: argparse.Namespace, config_model: type[RunConfig]) -> int:

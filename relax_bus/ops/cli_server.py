@@ -16,12 +16,12 @@ def auth_command(args: argparse.Namespace, config_model: type[RunConfig]) -> int
     from pathlib import Path
 
     from relax_bus.errors import ConfigError
+    from relax_bus.ops.arguments import config_with_overrides
     from relax_bus.ops.credentials import check_exposure, write_bundle
     from relax_bus.ops.server_conf import Cluster, JetStreamLimits
-    from relax_bus.settings import load_run_config
     from relax_bus.topology import build_topology
 
-    config = load_run_config(args.config, model=config_model)
+    config = config_with_overrides(args, config_model)  # `run=ID`: a config whose run id is set elsewhere
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ConfigError("relax auth flags", ["--tls-cert and --tls-key must be given together"])
     tls = (Path(args.tls_cert), Path(args.tls_key)) if args.tls_cert else None

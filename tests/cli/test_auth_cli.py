@@ -67,3 +67,14 @@ def test_auth_writes_private_files_once_and_the_server_enforces_them(tmp_path):
     finally:
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait(timeout=15)
+
+
+def test_auth_takes_the_run_id_as_an_override_as_init_does(tmp_path):
+    """The Kubernetes run.yaml has no `run:` (its run id is the kustomization's): `relax auth FILE run=ID`."""
+    config = write_config(tmp_path, "groups_per_step: 2\nsamples_per_group: 2\n")
+    assert_one_line_error(relax("auth", config, "--out", str(tmp_path / "none")), "run: Field required")
+    out = tmp_path / "auth"
+    result = relax("auth", config, "run=k8s_run", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert env_file(out / "rollout.env")["RELAX_USER"] == "k8s_run-rollout"
+    assert "RELAX_k8s_run" in (out / "auth.conf").read_text()

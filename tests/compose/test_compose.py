@@ -49,7 +49,7 @@ from schemas import TrainGroup
 from tests.container_host import NATS_IMAGE, missing, prepare_host
 from tests.workers.test_metrics_sinks import sample_of, tensorboard_series
 from workers.config import PipelineConfig, load_config
-from workers.role_registry import ROLE_NAMES
+from workers.role_registry import ROLE_NAMES, ROLES
 
 pytestmark = pytest.mark.compose
 
@@ -57,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "docker-compose.yml"
 CLUSTER = ROOT / "docker-compose.cluster.yml"
 AUTH = ROOT / "docker-compose.auth.yml"
+GPU = ROOT / "docker-compose.gpu.yml"
 RUN = load_config(ROOT / "examples" / "compose.yaml").run
 
 MIN_STEPS = 3  # optimizer steps the run must show before the checks
@@ -104,7 +105,29 @@ def _check_health_and_shutdown(services: dict[str, Any]) -> None:
         assert _seconds(service["stop_grace_period"]) > drain_s, (name, service["stop_grace_period"], drain_s)
 
 
-@pytest.mark.parametrize("files", [[BASE], [BASE, CLUSTER], [BASE, AUTH]], ids=["single", "cluster", "auth"])
+def _check_gpus(services: dict[str, Any]) -> None:
+    """The GPU override: every relax service runs the CUDA image (built once, by init, with VARIANT=cuda), and each
+    role the registry gives GPUs reserves NVIDIA devices of its own (compose does not share them out)."""
+    assert services["init"]["build"]["args"]["VARIANT"] == "cuda", services["init"]["build"]
+    relax = [name for name in (*ROLE_NAMES, "init") if name in services]
+    assert {services[name]["image"] for name in relax} == {"relax-bus:cuda"}, {n: services[n]["image"] for n in relax}
+    taken: list[str] = []
+    for entry in ROLES:
+        devices = services[entry.name].get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices")
+        if not entry.deploy.gpus:
+            assert devices is None, (entry.name, devices)
+            continue
+        (device,) = devices
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"], (entry.name, device)
+        assert len(device["device_ids"]) == entry.deploy.gpus, (entry.name, device)
+        assert services[entry.name]["deploy"]["replicas"] == 1, entry.name  # replicas would share the devices
+        taken += device["device_ids"]
+    assert len(taken) == len(set(taken)) >= 2, f"GPU roles share devices by default: {taken}"
+
+
+@pytest.mark.parametrize(
+    "files", [[BASE], [BASE, CLUSTER], [BASE, AUTH], [BASE, GPU]], ids=["single", "cluster", "auth", "gpu"]
+)
 def test_compose_files_validate(files: list[Path]) -> None:
     tool = shutil.which("docker-compose")
     if tool is None:
@@ -126,6 +149,10 @@ def test_compose_files_validate(files: list[Path]) -> None:
         assert {"nats-2", "nats-3"} <= names, names
         assert "replicas: 3" in (ROOT / "examples" / "compose-cluster.yaml").read_text()
     _check_health_and_shutdown(config)
+    if GPU in files:
+        _check_gpus(config)
+    else:
+        assert not any("nvidia" in json.dumps(s) for s in config.values()), "GPUs in the CPU default"
     # The healthcheck asks the monitoring port: the server must serve it (in auth mode on its loopback).
     if AUTH in files:
         assert "--monitor-port 8222" in " ".join(config["auth"]["command"]), config["auth"]["command"]

@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from tests.container_host import prepare_host
+from tests.container_host import BUILD_TIMEOUT_S, project_image
 from tests.security.test_reward_sandbox import ISOLATED, WORKER
 
 pytestmark = pytest.mark.containers
@@ -44,8 +42,6 @@ K8S = ROOT / "deploy" / "k8s" / "base"
 PROFILE = ROOT / "deploy" / "seccomp" / "reward-sandbox.json"
 SANDBOX_CALLS = ("mount", "pivot_root", "umount2", "unshare")
 """What the shipped profile allows beyond the engines' default: the sandbox's namespaces and its view."""
-IMAGE_LABEL = "org.relax-bus.image=relax-bus"  # the Dockerfile's LABEL, on every stage
-BUILD_TIMEOUT_S = 1200  # a cold image build: torch, transformers, the project (~3-5 min here)
 UID = 10001  # the image's `relax` user, which the compose service and the pod run as
 
 # Inside the container, as the worker's uid: its files, then WORKER ($1, with the sandbox config $2), then
@@ -65,22 +61,11 @@ python -c 'import json, os, sys; t = sys.argv[1]; print(json.dumps({"victim": op
 
 
 @pytest.fixture(scope="module")
-def image() -> Iterator[str]:
-    """The project image, built from this tree (only the changed layers); older untagged builds pruned."""
-    prepare_host()
-    stamp = int(time.time())
-    build = subprocess.run(
-        ["podman", "build", "--pull=never", "-t", IMAGE, "--build-arg", "TORCH_WHEELHOUSE=.wheelhouse", "."],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=BUILD_TIMEOUT_S,
-    )
-    if build.returncode != 0:
-        pytest.fail(f"podman build of {IMAGE} failed:\n{build.stdout[-3000:]}\n{build.stderr[-3000:]}")
-    prune = ["podman", "image", "prune", "-f", "--filter", f"label={IMAGE_LABEL}", "--filter", f"until={stamp}"]
-    subprocess.run(prune, capture_output=True, timeout=300)
-    yield IMAGE
+def image() -> str:
+    """The project image, built from this tree (shared by the tier's modules)."""
+    built = project_image()
+    assert built == IMAGE, (built, IMAGE)
+    return built
 
 
 def compose_options(profile: Path = PROFILE) -> list[str]:

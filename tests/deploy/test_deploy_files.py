@@ -15,13 +15,14 @@ import pytest
 import yaml
 
 from workers.launch import deploy_files
-from workers.role_registry import ROLE_NAMES, ROLES, RoleDef
+from workers.role_registry import ROLE_NAMES, ROLES, RoleDef, RoleDeploy
 
 pytestmark = pytest.mark.deploy
 
 ROOT = Path(__file__).resolve().parents[2]
-COMPOSE = ("docker-compose.yml", "docker-compose.auth.yml", "docker-compose.cluster.yml")
+COMPOSE = ("docker-compose.yml", "docker-compose.auth.yml", "docker-compose.cluster.yml", "docker-compose.gpu.yml")
 K8S_BASE = Path("deploy/k8s/base")
+K8S_GPU = Path("deploy/k8s/overlays/gpu/kustomization.yaml")
 
 
 def worker_role(command: Any) -> str | None:
@@ -39,6 +40,8 @@ def copy_of_deploy_files(to: Path) -> Path:
     for name in COMPOSE:
         shutil.copy(ROOT / name, to / name)
     shutil.copytree(ROOT / K8S_BASE, to / K8S_BASE)
+    (to / K8S_GPU).parent.mkdir(parents=True)
+    shutil.copy(ROOT / K8S_GPU, to / K8S_GPU)
     return to
 
 
@@ -60,7 +63,9 @@ def test_each_compose_file_has_one_service_per_registry_role_and_no_other() -> N
     cluster = services((ROOT / "docker-compose.cluster.yml").read_text())
     for role in ROLE_NAMES:
         assert "nats-2" in cluster[role]["environment"]["RELAX_NATS_URL"], (role, cluster[role])
-    for name, parsed in (("auth", auth), ("cluster", cluster)):
+    gpu = services((ROOT / "docker-compose.gpu.yml").read_text())
+    assert {name: s["image"] for name, s in gpu.items()} == {n: deploy_files.CUDA_IMAGE for n in (*ROLE_NAMES, "init")}
+    for name, parsed in (("auth", auth), ("cluster", cluster), ("gpu", gpu)):
         # An override's own services are these tools; any other name there is a role left behind.
         extra = set(parsed) - set(base) - {"auth", "routes", "nats-2", "nats-3", "inspect"}
         assert not extra, f"docker-compose.{name}.yml has services docker-compose.yml lacks: {extra}"
@@ -72,6 +77,7 @@ def test_a_new_role_is_deployed_by_rerunning_the_generator(tmp_path: Path, monke
     root = copy_of_deploy_files(tmp_path)
     changed = deploy_files.write(root)
     assert set(changed) == {*COMPOSE, str(K8S_BASE / "kustomization.yaml"), str(K8S_BASE / "judge.yaml")}, changed
+    assert "judge" in services((root / "docker-compose.gpu.yml").read_text())  # the CUDA image, and no GPU
     assert deploy_files.differences(root) == []  # written once, it is stable
 
     base = services((root / "docker-compose.yml").read_text())
@@ -105,3 +111,31 @@ def test_a_role_gone_from_the_registry_leaves_no_deploy_file(tmp_path: Path, mon
 def test_a_file_without_its_markers_is_refused() -> None:
     with pytest.raises(ValueError, match="no region `# >>> generated: roles`"):
         deploy_files.fill("services:\n  nats: {}\n", {"roles": ["  feeder: {}"]}, "docker-compose.yml")
+
+
+def test_a_role_given_gpus_gets_its_devices_in_both_gpu_variants(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`gpus` in a registry entry is all it takes: its own devices in docker-compose.gpu.yml (after the other GPU
+    roles' default indices) and `nvidia.com/gpu` plus the GPU nodes' patch in the Kubernetes overlay."""
+    judge = RoleDef(
+        "judge",
+        input="scored",
+        output=lambda c: "train",
+        grants={},
+        module="workers.roles.judge",
+        deploy=RoleDeploy(gpus=2),
+    )
+    monkeypatch.setattr(deploy_files, "ROLES", (*ROLES, judge))
+    root = copy_of_deploy_files(tmp_path)
+    assert str(K8S_GPU) in deploy_files.write(root)
+    before = sum(r.deploy.gpus for r in ROLES)
+    devices = services((root / "docker-compose.gpu.yml").read_text())["judge"]["deploy"]["resources"]["reservations"]
+    (device,) = devices["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"], device
+    assert device["device_ids"] == [f"${{RELAX_GPU_JUDGE_{i}:-{before + i}}}" for i in range(2)], device
+    patches = yaml.safe_load((root / K8S_GPU).read_text())["patches"]
+    mine = [p for p in patches if p.get("target", {}).get("name") == "relax-judge"]
+    assert [p.get("path") for p in mine] == ["gpu-nodes.yaml", None], mine
+    limits = yaml.safe_load(mine[1]["patch"])["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits == {"nvidia.com/gpu": "2"}, limits

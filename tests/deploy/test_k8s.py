@@ -27,8 +27,10 @@ import yaml
 from nats.aio.client import DEFAULT_DRAIN_TIMEOUT
 
 from relax_bus.delivery import WorkerOptions
+from relax_bus.overrides import apply_overrides
+from relax_bus.settings import parse_run_config
 from relax_bus.topology import build_topology
-from workers.config import load_config
+from workers.config import PipelineConfig, load_config
 from workers.role_registry import ROLES, role_def
 
 pytestmark = pytest.mark.deploy
@@ -37,7 +39,11 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
 EXAMPLE = ROOT / "examples" / "demo.yaml"
-KUSTOMIZATIONS = {"base": K8S / "base", "without-operators": K8S / "overlays" / "without-operators"}
+KUSTOMIZATIONS = {
+    "base": K8S / "base",
+    "without-operators": K8S / "overlays" / "without-operators",
+    "gpu": K8S / "overlays" / "gpu",
+}
 NAMESPACE = "relax"
 K8S_VERSION = "1.33.0"  # the oldest Kubernetes these manifests are checked against (1.33 onwards)
 CRD_SCHEMAS = {
@@ -74,9 +80,13 @@ def _kubectl() -> str:
 
 @functools.cache
 def _render(path: Path) -> tuple[dict[str, Any], ...]:
+    return render(path)
+
+
+def render(path: Path) -> tuple[dict[str, Any], ...]:
     """The documents `kubectl kustomize PATH` writes (cached: every test reads the same rendering)."""
     result = subprocess.run([_kubectl(), "kustomize", str(path)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, f"kubectl kustomize {path.relative_to(ROOT)} failed:\n{result.stderr}"
+    assert result.returncode == 0, f"kubectl kustomize {path} failed:\n{result.stderr}"
     return tuple(d for d in yaml.safe_load_all(result.stdout) if d)
 
 
@@ -125,6 +135,13 @@ def secrets_used(spec: dict[str, Any]) -> set[str]:
 
 def _example() -> Any:
     return load_config(EXAMPLE)
+
+
+def run_config(name: str) -> Any:
+    """The run config a kustomization's `relax init` provisions: its ConfigMap's run.yaml with run=<run-id>."""
+    config_map = find(rendered(name), "ConfigMap", "relax-run")
+    data = apply_overrides(yaml.safe_load(config_map["data"]["run.yaml"]), {"run": config_map["data"]["run-id"]})
+    return parse_run_config(data, f"{name}: run.yaml", PipelineConfig)
 
 
 # ---------------------------------------------------------------- rendering and validation
@@ -238,10 +255,11 @@ def test_pods_outlast_a_workers_drain_and_run_restricted() -> None:
                 assert c["securityContext"]["capabilities"]["drop"] == ["ALL"], name
 
 
+@pytest.mark.parametrize("name", ["base", "gpu"])
 @pytest.mark.parametrize("role", ["rollout", "reward"])
-def test_scaledobject_follows_the_roles_durable_in_the_example_run(role: str) -> None:
-    docs = rendered("base")
-    config = _example()
+def test_scaledobject_follows_the_roles_durable_in_the_run(role: str, name: str) -> None:
+    docs = rendered(name)
+    config = run_config(name)
     topology = build_topology(config)
     hop = topology.role(role).input
     assert hop is not None
@@ -258,16 +276,19 @@ def test_scaledobject_follows_the_roles_durable_in_the_example_run(role: str) ->
     assert int(meta["lagThreshold"]) >= 1, meta
     if role == "rollout":
         assert (meta["stream"], meta["consumer"]) == ("RELAX_demo_PROMPTS", "rollout")
+    assert config.run == _example().run  # one run id for the base and every overlay: the base's run-id
 
 
 def test_run_config_is_the_example_on_a_replicated_bus() -> None:
-    """run.yaml is examples/demo.yaml on three NATS servers with Prometheus on the pod's address."""
+    """run.yaml is examples/demo.yaml on three NATS servers with Prometheus on the pod's address, its run id
+    the ConfigMap's `run-id`."""
     config_map = find(rendered("base"), "ConfigMap", "relax-run")
     config = _example()
     ours = yaml.safe_load(config_map["data"]["run.yaml"])
     cluster = {"bus": {"replicas": 3}, "metrics": {"prometheus_port": 9464, "prometheus_host": "0.0.0.0"}}
-    assert ours == {**yaml.safe_load(EXAMPLE.read_text()), **cluster}, "run.yaml drifted from the example"
-    assert load_config(K8S / "base" / "run.yaml").bus.replicas == 3
+    example = {k: v for k, v in yaml.safe_load(EXAMPLE.read_text()).items() if k != "run"}
+    assert ours == {**example, **cluster}, "run.yaml drifted from the example"
+    assert run_config("base").bus.replicas == 3
     assert config_map["data"]["run-id"] == config.run
     assert int(config_map["data"]["trainer-ranks"]) == role_def("actor").ranks(config)
 
@@ -277,7 +298,7 @@ def test_metrics_service_and_servicemonitor_reach_the_metrics_port() -> None:
     deployment = find(docs, "Deployment", "relax-metrics")
     ports = {p["name"]: p["containerPort"] for p in pod_spec(deployment)["containers"][0]["ports"]}
     # The role serves where the run config says, on the pod's address (not loopback) for the Service.
-    metrics = load_config(K8S / "base" / "run.yaml").metrics
+    metrics = run_config("base").metrics
     assert metrics.prometheus_host == "0.0.0.0" and metrics.prometheus_port in ports.values(), (metrics, ports)
     service = find(docs, "Service", "relax-metrics")
     assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
@@ -312,3 +333,182 @@ def test_nats_values_cluster_jetstream_on_file_storage_with_the_runs_account() -
     for scaled in (d for d in rendered("base") if d["kind"] == "ScaledObject"):
         endpoint = scaled["spec"]["triggers"][0]["metadata"]["natsServerMonitoringEndpoint"]
         assert endpoint.endswith(f":{config['monitor']['port']}"), endpoint
+
+
+# ---------------------------------------------------------------- the run id, set once
+
+
+def _containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    containers: list[dict[str, Any]] = pod_spec(doc)["containers"]
+    return containers
+
+
+def _role_workloads(docs: tuple[dict[str, Any], ...]) -> dict[str, dict[str, Any]]:
+    return {role: d for d in docs if d["kind"] in WORKLOADS and (role := runs_role(d)) is not None}
+
+
+@pytest.mark.parametrize("name", sorted(KUSTOMIZATIONS))
+def test_init_and_the_roles_take_the_run_id_from_the_config_map(name: str) -> None:
+    docs = rendered(name)
+    config_map = find(docs, "ConfigMap", "relax-run")
+    assert "run" not in yaml.safe_load(config_map["data"]["run.yaml"]), "run.yaml names a run id of its own"
+    init = pod_spec(find(docs, "Job", "relax-init"))["containers"][0]
+    assert "run=$(RUN_ID)" in init["args"], init["args"]
+    for doc in [find(docs, "Job", "relax-init"), *_role_workloads(docs).values()]:
+        (run_id,) = [e for e in _containers(doc)[0]["env"] if e["name"] == "RUN_ID"]
+        assert run_id["valueFrom"]["configMapKeyRef"] == {"name": "relax-run", "key": "run-id"}, doc["metadata"]
+
+
+def test_the_run_id_is_set_once_in_the_base_and_followed_everywhere(tmp_path: Path) -> None:
+    """One edit of the base's run-id literal renames the run in every kustomization: the ConfigMap the pods and
+    init read, and the KEDA triggers' account and streams (an id with `_`, which the replacement splits on)."""
+    copy = tmp_path / "k8s"
+    shutil.copytree(K8S, copy)
+    kustomization = copy / "base" / "kustomization.yaml"
+    text = kustomization.read_text()
+    assert text.count("run-id=demo") == 1
+    kustomization.write_text(text.replace("run-id=demo", "run-id=gsm8k_v2-a"))
+    for name in ("base", "gpu"):
+        docs = render(copy / KUSTOMIZATIONS[name].relative_to(K8S))
+        assert find(docs, "ConfigMap", "relax-run")["data"]["run-id"] == "gsm8k_v2-a"
+        config = run_config(name).model_copy(update={"run": "gsm8k_v2-a"})
+        topology = build_topology(config)
+        for role in ("rollout", "reward"):
+            hop = role_def(role).input
+            assert hop is not None
+            meta = find(docs, "ScaledObject", f"relax-{role}")["spec"]["triggers"][0]["metadata"]
+            assert (meta["account"], meta["stream"]) == ("RELAX_gsm8k_v2-a", topology.stream(hop).name), meta
+        assert "demo" not in json.dumps([d for d in docs if d["kind"] != "ConfigMap"]), name
+
+
+# ---------------------------------------------------------------- probes: the worker's heartbeat
+
+
+def _heartbeat_file(container: dict[str, Any]) -> str:
+    words = " ".join([*container.get("command", []), *container.get("args", [])]).split()
+    assert "--heartbeat-file" in words, f"the worker mirrors no heartbeat for its probes: {words}"
+    return words[words.index("--heartbeat-file") + 1]
+
+
+@pytest.mark.parametrize("name", sorted(KUSTOMIZATIONS))
+def test_every_role_is_probed_on_the_heartbeat_file_it_writes(name: str) -> None:
+    from workers.cli import _parser
+
+    workloads = _role_workloads(rendered(name))
+    assert set(workloads) == {r.name for r in ROLES}, sorted(workloads)
+    for role, doc in workloads.items():
+        (container,) = _containers(doc)
+        path = _heartbeat_file(container)
+        for probe, kind in (("readinessProbe", "ready"), ("livenessProbe", "live")):
+            command = container[probe]["exec"]["command"]
+            assert command == ["relax", "probe", kind, "--heartbeat-file", path], (role, command)
+            assert _parser().parse_args(command[1:]).kind == kind  # the image's `relax` takes this command line
+            assert container[probe]["timeoutSeconds"] >= 2 and container[probe]["failureThreshold"] >= 2, role
+        # The file lies on a pod-local writable volume (the root file system is read-only), not a shared claim.
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"] if not m.get("readOnly")}
+        volume = mounts.get(str(Path(path).parent))
+        kinds = {v["name"]: set(v) - {"name"} for v in pod_spec(doc)["volumes"]}
+        assert volume is not None and kinds[volume] == {"emptyDir"}, (role, path, mounts)
+    assert "--heartbeat-file" not in pod_spec(find(rendered(name), "Job", "relax-init"))["containers"][0]["args"]
+
+
+# ---------------------------------------------------------------- volume claims
+
+
+@pytest.mark.parametrize("name", sorted(KUSTOMIZATIONS))
+def test_every_claim_a_pod_mounts_is_declared(name: str) -> None:
+    docs = rendered(name)
+    claims = {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
+    used = {
+        v["persistentVolumeClaim"]["claimName"]
+        for d in docs
+        if d["kind"] in (*WORKLOADS, "Job")
+        for v in pod_spec(d).get("volumes", [])
+        if "persistentVolumeClaim" in v
+    }
+    assert "relax-metrics" in used and used == claims, (used, claims)
+
+
+def test_the_metrics_files_are_written_to_a_volume_claim() -> None:
+    """The metrics role's sinks write under `<work-dir>/<run>/metrics`; its work dir is the claim relax-metrics."""
+    from workers.cli import _parser
+
+    deployment = find(rendered("base"), "Deployment", "relax-metrics")
+    assert deployment["spec"]["strategy"]["type"] == "Recreate"  # a ReadWriteOnce claim: one pod at a time
+    (container,) = _containers(deployment)
+    assert run_config("base").metrics.out_dir is None  # the sinks' default directory, under the work dir
+    workdir = next(
+        line.split()[1] for line in (ROOT / "Dockerfile").read_text().splitlines() if line.startswith("WORKDIR")
+    )
+    work_dir = _parser().parse_args([*container["args"][2:]]).work_dir  # `relax worker`'s default --work-dir
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod_spec(deployment)["volumes"]}
+    where = str(Path(workdir, work_dir).resolve())
+    assert volumes[mounts[where]]["persistentVolumeClaim"]["claimName"] == "relax-metrics", (where, mounts)
+
+
+def _mount_of(doc: dict[str, Any], path: str) -> dict[str, Any] | None:
+    """The volume mounted at the deepest mount point holding `path`, with `readOnly` of its mount."""
+    container = _containers(doc)[0]
+    holding = [m for m in container["volumeMounts"] if Path(path).is_relative_to(m["mountPath"])]
+    if not holding:
+        return None
+    mount = max(holding, key=lambda m: len(m["mountPath"]))
+    volume = next(v for v in pod_spec(doc)["volumes"] if v["name"] == mount["name"])
+    return {**volume, "readOnly": mount.get("readOnly", False)}
+
+
+def test_the_gpu_run_reads_its_model_and_data_from_claims_and_checkpoints_to_one() -> None:
+    docs = rendered("gpu")
+    config = run_config("gpu")
+    claims = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PersistentVolumeClaim"}
+    reads = {
+        "relax-models": config.model.source.path,  # a `dir` source
+        "relax-data": str(config.task.options.path),
+    }
+    workloads = _role_workloads(docs)
+    for claim, path in reads.items():
+        assert Path(path).is_absolute(), path
+        # init checks every part of the config; each role checks the parts its registry entry names.
+        users = [find(docs, "Job", "relax-init"), *workloads.values()]
+        for doc in users:
+            volume = _mount_of(doc, path)
+            assert volume is not None and volume.get("persistentVolumeClaim", {}).get("claimName") == claim, (
+                doc["metadata"]["name"],
+                path,
+                volume,
+            )
+            assert volume["readOnly"], (doc["metadata"]["name"], claim)
+        assert "ReadWriteMany" in claims[claim]["spec"]["accessModes"], claim  # pods on several nodes read it
+    checkpoints = config.trainer.checkpoint.dir
+    assert checkpoints is not None
+    volume = _mount_of(workloads["actor"], checkpoints)
+    assert volume is not None and volume["persistentVolumeClaim"]["claimName"] == "relax-checkpoints", volume
+    assert not volume["readOnly"]
+    assert config.rollout.engine.type == "vllm" and [r.type for r in config.rewards] == ["math"]
+    assert config.task.type == "hf"
+
+
+# ---------------------------------------------------------------- GPUs
+
+
+def test_the_gpu_overlay_gives_the_registrys_gpu_roles_their_gpus_on_gpu_nodes() -> None:
+    workloads = _role_workloads(rendered("gpu"))
+    wanted = {r.name: r.deploy.gpus for r in ROLES}
+    assert {role for role, n in wanted.items() if n} >= {"rollout", "actor"}, wanted
+    for role, doc in workloads.items():
+        spec = pod_spec(doc)
+        (container,) = _containers(doc)
+        assert container["image"].endswith(":cuda"), (role, container["image"])  # Dockerfile VARIANT=cuda
+        resources = container["resources"]
+        got = {k: resources.get(k, {}).get("nvidia.com/gpu") for k in ("requests", "limits")}
+        if not wanted[role]:
+            assert got == {"requests": None, "limits": None}, (role, got)
+            continue
+        assert got == {"requests": str(wanted[role]), "limits": str(wanted[role])}, (role, got)
+        assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}, role
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"], role
+        shm = _mount_of(doc, "/dev/shm")
+        assert shm is not None and shm["emptyDir"]["medium"] == "Memory", (role, shm)
+    for name in ("base", "without-operators"):
+        assert "nvidia.com/gpu" not in json.dumps(rendered(name)), name

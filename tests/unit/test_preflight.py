@@ -52,3 +52,36 @@ def test_exit_codes_say_whether_another_attempt_can_help():
     assert {e.exit_code for e in refused} == {EXIT_REFUSED} == {2}
     temporary = [NatsUnreachable("down"), NatsUnavailable("gone"), PublishFailed("lost"), StreamFull("full")]
     assert {e.exit_code for e in temporary} == {EXIT_TEMPORARY} == {75}
+
+
+def test_a_module_the_config_needs_and_this_machine_lacks_is_one_line_not_a_traceback(tmp_path, monkeypatch):
+    """An `hf` task without datasets and a `math` reward without math-verify (an image without the `models`
+    extra): refused before anything runs, each with the extra to install, instead of a traceback and a run whose
+    every sample scores 0."""
+    import importlib.util
+    import sys
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    config = parse_config(
+        {
+            "run": "pf",
+            "task": {"type": "hf", "options": {"path": str(data)}},
+            "rewards": [{"type": "math"}],
+        }
+    )
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ModuleNotFoundError
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real_find_spec(name, *a)
+    )
+    with pytest.raises(ConfigError) as err:
+        preflight(config, tmp_path, ("task", "rewards"))
+    assert err.value.problems == [
+        "task: the Python module 'datasets' is not installed: install the `models` extra "
+        "(pip install 'relax-bus[models]'; the image has it)",
+        "rewards: the Python module 'math_verify' is not installed: install the `models` extra "
+        "(pip install 'relax-bus[models]'; the image has it)",
+    ]
+    monkeypatch.undo()
+    preflight(config, tmp_path, ("task", "rewards"))  # both installed here: the same config passes

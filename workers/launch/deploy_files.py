@@ -4,10 +4,11 @@
     python -m workers.launch.deploy_files --check    # exit 1 when a committed file differs (a test runs it)
 
 A new role is its module, one registry line and a re-run of this command: it gets a compose service in
-docker-compose.yml (plus its NATS user in docker-compose.auth.yml and the cluster's URLs in
-docker-compose.cluster.yml) and a Deployment in deploy/k8s/base, listed in its kustomization. Its registry
-entry's `deploy` (`RoleDeploy`) holds what differs from the defaults (replicas, resources, a published port, a
-comment).
+docker-compose.yml (plus its NATS user in docker-compose.auth.yml, the cluster's URLs in
+docker-compose.cluster.yml and the CUDA image in docker-compose.gpu.yml) and a Deployment in deploy/k8s/base,
+listed in its kustomization, with the heartbeat probes (`relax probe`). Its registry entry's `deploy`
+(`RoleDeploy`) holds what differs from the defaults (replicas, resources, a published port, a volume, GPUs, a
+comment); a role with `gpus` gets its devices in docker-compose.gpu.yml and deploy/k8s/overlays/gpu.
 
 In the compose files and the kustomization, only the text between `# >>> generated: NAME` and
 `# <<< generated: NAME` is written; everything else stays as edited by hand. The Kubernetes manifest of
@@ -34,6 +35,11 @@ COMMAND = "python -m workers.launch.deploy_files"
 
 AUTH_USERS = ("admin", "observer")
 """NATS users of docker-compose.auth.yml that are not roles: `relax init` and `relax inspect`."""
+HEARTBEAT_FILE = "/tmp/relax-heartbeat.json"
+"""Where a pod's worker mirrors its heartbeat for the probes (`relax worker --heartbeat-file`; /tmp is an emptyDir)."""
+CUDA_IMAGE = "relax-bus:cuda"
+"""The image of docker-compose.gpu.yml: ./Dockerfile built with VARIANT=cuda."""
+K8S_GPU = Path("deploy/k8s/overlays/gpu")
 
 
 def _deploy(role: str) -> RoleDeploy:
@@ -86,12 +92,81 @@ def cluster_services() -> list[str]:
     return [line for r in ROLES for line in (f"  {r.name}:", "    environment: *cluster-env")]
 
 
+def gpu_device_ids() -> dict[str, list[tuple[str, int]]]:
+    """docker-compose.gpu.yml: each GPU role's devices, as (variable, default index); the defaults give every
+    role its own devices, in registry order (compose does not share them out as Kubernetes does)."""
+    ids: dict[str, list[tuple[str, int]]] = {}
+    index = 0
+    for r in ROLES:
+        n = _deploy(r.name).gpus
+        if n:
+            names = [f"RELAX_GPU_{r.name.upper()}"] if n == 1 else [f"RELAX_GPU_{r.name.upper()}_{i}" for i in range(n)]
+            ids[r.name] = [(name, index + i) for i, name in enumerate(names)]
+            index += n
+    return ids
+
+
+def gpu_services() -> list[str]:
+    """docker-compose.gpu.yml: every role runs the CUDA image; a role with `gpus` reserves its own devices."""
+    devices = gpu_device_ids()
+    lines: list[str] = []
+    for r in ROLES:
+        lines += [f"  {r.name}:", f"    image: {CUDA_IMAGE}"]
+        if r.name in devices:
+            ids = ", ".join(f'"${{{name}:-{default}}}"' for name, default in devices[r.name])
+            lines += [
+                "    deploy:",
+                "      replicas: 1                     # every replica would reserve the same devices",
+                "      resources:",
+                "        reservations:",
+                "          devices:",
+                "            - driver: nvidia",
+                f"              device_ids: [{ids}]",
+                "              capabilities: [gpu]",
+                "    shm_size: 8gb                     # NCCL and vLLM's workers share tensors through /dev/shm",
+            ]
+    return lines
+
+
 # ---------------------------------------------------------------- kubernetes
 
 
 def k8s_resources() -> list[str]:
     """deploy/k8s/base/kustomization.yaml: the manifest of each role."""
     return [f"  - {r.name}.yaml" for r in ROLES]
+
+
+def k8s_probes() -> list[str]:
+    """The probes of a role's container (`relax_bus.probe`): ready while its heartbeat is stored, live while its
+    heartbeat loop runs (no heartbeat yet, while it connects or loads a model, is live)."""
+    lines: list[str] = []
+    for kind, comment, period, failures in (
+        ("ready", "its heartbeat is stored: connected and working", 10, 2),
+        ("live", "its heartbeat loop runs (none yet while starting passes)", 20, 3),
+    ):
+        command = ["relax", "probe", kind, "--heartbeat-file", HEARTBEAT_FILE]
+        lines += [f"{'readiness' if kind == 'ready' else 'liveness'}Probe:                # {comment}"]
+        lines += ["  exec:", "    command: [" + ", ".join(f'"{w}"' for w in command) + "]"]
+        lines += [f"  periodSeconds: {period}", "  timeoutSeconds: 5", f"  failureThreshold: {failures}"]
+    return lines
+
+
+def k8s_gpu_patches() -> list[str]:
+    """deploy/k8s/overlays/gpu/kustomization.yaml: each GPU role's `nvidia.com/gpu` and the GPU nodes' patch."""
+    lines: list[str] = []
+    for r in ROLES:
+        n = _deploy(r.name).gpus
+        if not n:
+            continue
+        target = f"  - target: {{group: apps, name: relax-{r.name}}}"
+        lines += [target, "    path: gpu-nodes.yaml", target, "    patch: |"]
+        lines += _indent(
+            "apiVersion: apps/v1\nkind: Deployment\nmetadata:\n  name: any\nspec:\n  template:\n    spec:\n"
+            "      containers:\n        - name: relax\n          resources:\n"
+            f'            requests: {{nvidia.com/gpu: "{n}"}}\n            limits: {{nvidia.com/gpu: "{n}"}}',
+            6,
+        )
+    return lines
 
 
 def k8s_manifest(role: str) -> str:
@@ -103,12 +178,14 @@ def k8s_manifest(role: str) -> str:
     lines += [*_indent(label[0], 4), "spec:", *_indent(d.k8s_spec, 2)]
     lines += ["  selector:", "    matchLabels:", *_indent(label[0], 6), "  template:", "    metadata:"]
     lines += ["      labels:", *_indent(label[0], 8), "    spec:", "      containers:", "        - name: relax"]
-    args = ["--log-level", "info", "worker", role, "--run", "$(RUN_ID)"]
+    args = ["--log-level", "info", "worker", role, "--run", "$(RUN_ID)", "--heartbeat-file", HEARTBEAT_FILE]
     lines.append("          args: [" + ", ".join(f'"{w}"' for w in args) + "]")
     lines += ["          envFrom:", "            - secretRef:"]
     lines.append(f"                name: relax-{role}   # this role's NATS user, and no other's")
     lines += ["          resources:", f"            requests: {d.requests}", f"            limits: {d.limits}"]
+    lines += _indent("\n".join(k8s_probes()), 10)
     lines += _indent(d.k8s_container, 10)
+    lines += _indent(d.k8s_pod, 6)
     if d.k8s_more:
         lines += ["---", *d.k8s_more.splitlines()]
     return "\n".join(lines) + "\n"
@@ -127,7 +204,9 @@ def _regions() -> dict[str, dict[str, list[str]]]:
             "role volumes": auth_volumes(),
         },
         "docker-compose.cluster.yml": {"roles": cluster_services()},
+        "docker-compose.gpu.yml": {"roles": gpu_services()},
         str(K8S_BASE / "kustomization.yaml"): {"roles": k8s_resources()},
+        str(K8S_GPU / "kustomization.yaml"): {"gpu roles": k8s_gpu_patches()},
     }
 
 

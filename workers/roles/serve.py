@@ -29,6 +29,7 @@ from relax_bus.connection import forget_credentials
 from relax_bus.delivery import role_worker
 from relax_bus.errors import ConfigError
 from relax_bus.log import get_logger
+from relax_bus.probe import clear as clear_probe_file
 from relax_bus.settings import ConnectionSettings
 from relax_bus.worker import Worker
 from workers.config import PipelineConfig
@@ -63,17 +64,31 @@ class RoleContext:
         return self.bus
 
 
-async def run_role(role: str, settings: ConnectionSettings, run: str, work_dir: Path, threads: int = 1) -> int:
+async def run_role(
+    role: str,
+    settings: ConnectionSettings,
+    run: str,
+    work_dir: Path,
+    threads: int = 1,
+    heartbeat_file: Path | None = None,
+) -> int:
     """Connect (retrying for `settings.connect_retry_s`), run the role until done or stopped; return an exit code.
+    With `heartbeat_file`, its heartbeat is mirrored there for the container's probes (`relax probe`).
 
     The process is one worker of the role (`relax_bus.delivery.role_worker`): its loop's worker id is chosen here,
     and every log event from here on carries `run`, `role` and that `worker`."""
     with role_worker(run, role):
-        return await _run_role(role, settings, run, work_dir, threads)
+        return await _run_role(role, settings, run, work_dir, threads, heartbeat_file)
 
 
-async def _run_role(role: str, settings: ConnectionSettings, run: str, work_dir: Path, threads: int) -> int:
+async def _run_role(
+    role: str, settings: ConnectionSettings, run: str, work_dir: Path, threads: int, heartbeat_file: Path | None
+) -> int:
     make_undumpable()
+    if heartbeat_file is not None:
+        # A container restarted in its pod keeps /tmp: its predecessor's beats must not judge it. (Under torchrun
+        # every rank clears it at start; only rank 0 beats, after connecting, so the file is back within a beat.)
+        clear_probe_file(heartbeat_file)
     hide(work_dir, *(path.parent for path in _login_files(settings)), *hidden_by_launcher())
     entry = role_def(role)
     if entry.torch_threads:
@@ -107,6 +122,7 @@ async def _run_role(role: str, settings: ConnectionSettings, run: str, work_dir:
     except ConfigError:
         await bus.close()
         raise
+    bus.heartbeat_file = heartbeat_file
     ctx.bus = bus
     try:
         await module.serve(ctx)
