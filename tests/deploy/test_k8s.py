@@ -374,7 +374,7 @@ def test_the_run_id_is_set_once_in_the_base_and_followed_everywhere(tmp_path: Pa
         config = run_config(name).model_copy(update={"run": "gsm8k_v2-a"})
         topology = build_topology(config)
         for role in ("rollout", "reward"):
-            hop = role_def(role).input
+            hop = topology.role(role).input
             assert hop is not None
             meta = find(docs, "ScaledObject", f"relax-{role}")["spec"]["triggers"][0]["metadata"]
             assert (meta["account"], meta["stream"]) == ("RELAX_gsm8k_v2-a", topology.stream(hop).name), meta
