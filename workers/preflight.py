@@ -106,9 +106,16 @@ def _teacher(config: PipelineConfig, work_dir: Path, found: Found) -> None:
     """The teacher model builds or is found, and its tokenizer reads token ids as the policy's does."""
     if config.teacher is None:
         return
+    from workers.config.model_source import DirSource
     from workers.data.models import load_tokenizer, materialize
     from workers.data.tokenizer import tokenizer_mismatch
 
+    source = config.teacher.source
+    if isinstance(source, DirSource) and not Path(source.path).expanduser().is_dir():
+        raise ValueError(
+            f"no model directory at {source.path}: write one first, e.g. a warmed-up policy with "
+            f"`relax model warmup CONFIG --out {source.path}` (docs/algorithms.md, On-policy distillation)"
+        )
     teacher = materialize(config.teacher.source, work_dir / config.run / "teacher", config.teacher.seed)
     found["teacher"] = teacher
     if "model" not in found:

@@ -15,6 +15,7 @@ from workers.config import parse_config
 from workers.data.models import load_model, load_tokenizer, materialize
 from workers.data.tokenizer import tokenizer_mismatch
 from workers.engines.torch_engine import TorchEngine
+from workers.preflight import preflight
 from workers.roles.reference import replayed_logprobs
 from workers.training.batch import make_batch, untrainable
 from workers.training.distill import distill_advantages, reverse_kl
@@ -236,6 +237,19 @@ def test_teacher_mistakes_are_refused(section, problem):
 def test_a_teacher_count_in_a_run_without_a_teacher_is_refused():
     with pytest.raises(ConfigError, match="no teacher role"):
         config(roles={"teacher": 2})
+
+
+def test_a_teacher_directory_not_built_yet_is_refused_in_one_line_saying_how_to_build_it(tmp_path):
+    missing = tmp_path / "teacher-demo"
+    distilling = config(teacher={"source": str(missing)}, model={"source": "tiny:64x2"})
+    with pytest.raises(ConfigError) as err:
+        preflight(distilling, tmp_path / "work", ("model", "teacher"))
+    assert err.value.problems == [
+        f"teacher.source: no model directory at {missing}: write one first, e.g. a warmed-up policy with "
+        f"`relax model warmup CONFIG --out {missing}` (docs/algorithms.md, On-policy distillation)"
+    ]
+    materialize("tiny:64x2", missing, seed=3)  # built: the same check passes
+    preflight(distilling, tmp_path / "work", ("model", "teacher"))
 
 
 def test_tokenizers_that_read_ids_differently_are_told_apart(tmp_path):

@@ -13,9 +13,9 @@ class TeacherConfig(Section):
     per-token advantage (reverse KL), alone or beside the reward's advantage."""
 
     source: ModelSource
-    """The teacher's weights, as `model.source` takes them: a model directory (one `relax warmup` or `relax export`
-    wrote, or a Hugging Face one) or `hf:<repo>`. Its tokenizer must be the policy's: same vocabulary, special ids
-    and chat template (checked when a role starts, refused with one line otherwise)."""
+    """The teacher's weights, as `model.source` takes them: a model directory (one `relax model warmup` or
+    `relax export` wrote, or a Hugging Face one) or `hf:<repo>`. Its tokenizer must be the policy's: same vocabulary,
+    special ids and chat template (checked when a role starts, refused with one line otherwise)."""
     seed: int = 0
     """Seed of the initial weights when the source is a model built in code."""
     coef: float = Field(default=1.0, gt=0)
