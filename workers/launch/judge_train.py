@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import json
 import random
-import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from typing import Any
 
 from workers.config import PipelineConfig
 from workers.config.judge import JudgeConfig
-from workers.data.model_build import SOURCE_FILE
+from workers.data.model_build import install_build, staging_dir
 from workers.data.task_items import TaskItem
 from workers.data.tasks import prompt_text
 
@@ -171,8 +170,7 @@ def train_judge(
                 if agreed > best[0]:
                     best = (agreed, step, copy.deepcopy(model.state_dict()))
         model.load_state_dict(best[2])
-        staging = out.parent / f".{out.name}.writing"
-        shutil.rmtree(staging, ignore_errors=True)
+        staging = staging_dir(out)
         model.eval().save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
     record = {
@@ -187,9 +185,5 @@ def train_judge(
         "agreement": best[0],
         "template": cfg.template,
     }
-    (staging / SOURCE_FILE).write_text(json.dumps(record))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.exists():
-        out.rmdir()
-    staging.rename(out)
+    install_build(staging, out, record)
     return record

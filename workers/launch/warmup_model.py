@@ -8,15 +8,13 @@ model directory like `relax export` writes, so it serves as another run's `model
 
 from __future__ import annotations
 
-import json
-import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from workers.config import PipelineConfig, task_spec
-from workers.data.model_build import SOURCE_FILE
+from workers.data.model_build import install_build, staging_dir
 
 
 def warmed_model(
@@ -39,8 +37,7 @@ def warmed_model(
         base = materialize(config.model.source, Path(scratch) / "base", config.model.seed)
         trainer = PolicyTrainer(base, config)
         info = run_warmup(trainer, load_task(task_spec(config.task)), on_check)
-        staging = out.parent / f".{out.name}.writing"
-        shutil.rmtree(staging, ignore_errors=True)
+        staging = staging_dir(out)
         with torch.no_grad():
             trainer.model.save_pretrained(staging, safe_serialization=True)
         load_tokenizer(base).save_pretrained(staging)
@@ -51,9 +48,5 @@ def warmed_model(
         "task": config.task.type,
         **{k: float(v) for k, v in info.items()},
     }
-    (staging / SOURCE_FILE).write_text(json.dumps(record))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.exists():
-        out.rmdir()
-    staging.rename(out)
+    install_build(staging, out, record)
     return record

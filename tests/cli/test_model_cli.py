@@ -1,0 +1,57 @@
+"""`relax model warmup` and `relax model judge-train` as a user runs them: a model directory another run can name
+(`teacher.source`, `judge.source`), the progress lines, and one-line refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.cli.test_cli import relax
+from workers.config import load_config
+from workers.preflight import preflight
+
+pytestmark = pytest.mark.cli
+
+SHORT = ("model.source=tiny:64x2", "trainer.warmup.check_every=2")
+
+
+def test_warmup_writes_a_model_directory_a_teacher_can_name(tmp_path):
+    out = tmp_path / "teacher"
+    done = relax(
+        "model",
+        "warmup",
+        "examples/demo.yaml",
+        *SHORT,
+        "trainer.warmup.max_steps=4",
+        "trainer.warmup.noise_steps=1",
+        "--out",
+        str(out),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "warm-up step 2/4: sampled accuracy" in done.stdout and f"model directory: {out}" in done.stdout
+    record = json.loads((out / "relax_source.json").read_text())
+    assert record["source"] == "warmup" and record["base"] == "tiny:64x2"
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    # Another run names it as its teacher: the pre-start check builds the policy and compares the tokenizers.
+    config = load_config("examples/distill.yaml", {"teacher.source": str(out), "model.source": "tiny:64x2"})
+    preflight(config, tmp_path / "work", ["model", "teacher"])
+    again = relax("model", "warmup", "examples/demo.yaml", *SHORT, "--out", str(out))
+    assert again.returncode == 2 and again.stderr.strip() == f"relax: error: {out} is not empty", again.stderr
+
+
+def test_judge_train_writes_a_judge_and_refuses_bad_data_in_one_line(tmp_path):
+    out = tmp_path / "judge"
+    done = relax("model", "judge-train", "examples/judge.yaml", *SHORT, "--steps", "4", "--out", str(out), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "judge step 4/4: held-out agreement" in done.stdout and f"judge directory: {out}" in done.stdout
+    record = json.loads((out / "relax_source.json").read_text())
+    assert record["source"] == "judge-train" and record["pairs"] == 500 and 0.0 <= record["agreement"] <= 1.0
+    config = load_config("examples/judge.yaml", {"judge.source": str(out), "model.source": "tiny:64x2"})
+    preflight(config, tmp_path / "work", ["task", "judge"])
+    bad = tmp_path / "pairs.jsonl"
+    bad.write_text('{"prompt": "1+1=", "response": "2"}\n')
+    refused = relax("model", "judge-train", "examples/judge.yaml", "--data", str(bad), "--out", str(tmp_path / "j2"))
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert f"{bad}:1: not a labelled pair" in refused.stderr
