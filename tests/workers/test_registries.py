@@ -69,6 +69,12 @@ NOT_ROLES = {
     ("workers/envs/service.py", "env"),  # the server's thread names
     ("workers/roles/reward.py", "env"),  # agent.reward's values and the episode's `env` reward term
     ("workers/rewards/sandbox/client.py", "reward"),  # who the sandbox runs code for, in its refusal line
+    ("workers/config/judge.py", "reference"),  # the judge template's `{reference}` field (the task's answer)
+    ("workers/launch/judge_train.py", "reference"),  # the labelled pair's `reference` key
+    ("workers/metrics/samples.py", "reward"),  # a samples table's column
+    ("workers/preflight.py", "teacher"),  # the `teacher` pre-start check (of the teacher section)
+    ("workers/training/batch.py", "reference"),  # which log-probs a refusal line is about
+    ("workers/training/batch.py", "teacher"),
 }
 
 
