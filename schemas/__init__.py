@@ -17,11 +17,9 @@ from schemas.messages import (
     ChatTurn,
     DeadLetter,
     GroupMessage,
-    Judgement,
     Message,
     Metric,
     PromptGroup,
-    RewardDetail,
     RolloutGroup,
     RolloutTimings,
     RunEvent,
@@ -33,6 +31,7 @@ from schemas.messages import (
     WorkerHeartbeat,
 )
 from schemas.parts import AudioPart, ImagePart, MediaRef, Part, TextPart, VideoPart
+from schemas.scoring import Judgement, RewardDetail
 from schemas.tensor import WireTensor
 
 __all__ = [

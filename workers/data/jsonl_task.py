@@ -32,6 +32,16 @@ _MEDIA_TYPES: dict[str, _PartModel] = {
 }
 
 
+def jsonl_lines(file: Path, what: str) -> list[tuple[int, str]]:
+    """The non-blank lines of a JSON Lines file with their 1-based numbers; ValueError naming `what` and the file
+    when it cannot be read (missing, unreadable, not UTF-8)."""
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{what} {str(file)!r} cannot be read: {getattr(err, 'strerror', None) or err}") from None
+    return [(number, line) for number, line in enumerate(lines, start=1) if line.strip()]
+
+
 def jsonl(
     path: str | Path, task: str = "jsonl", limit: int | None = None, media_root: str | Path | None = None
 ) -> list[TaskItem]:
@@ -39,15 +49,9 @@ def jsonl(
     check_limit("jsonl", limit)
     file = Path(path)
     root = jsonl_media_root(file, media_root)
-    try:
-        lines = file.read_text(encoding="utf-8").splitlines()
-    except OSError as err:
-        raise ValueError(f"jsonl task file {str(file)!r} cannot be read: {err.strerror or err}") from None
     items: list[TaskItem] = []
     errors: list[tuple[int, str]] = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
+    for lineno, line in jsonl_lines(file, "jsonl task file"):
         try:
             parts, answer, name = parse_record(line, file.parent, root)
         except ValueError as err:

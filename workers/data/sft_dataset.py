@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from schemas import ChatTurn
 from schemas.parts import TextPart
-from workers.data.jsonl_task import jsonl_media_root, parse_record
+from workers.data.jsonl_task import jsonl_lines, jsonl_media_root, parse_record
 from workers.data.task_items import TaskItem, report_errors
 
 TASK = "sft"
@@ -33,16 +33,11 @@ def sft_items(path: str | Path) -> list[TaskItem]:
     """The examples of a JSONL file, in file order; ValueError (one message) for a file that cannot be read, has a bad
     line (every one listed) or no example."""
     file = Path(path)
-    try:
-        lines = file.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"sft dataset {str(file)!r} cannot be read: {getattr(err, 'strerror', None) or err}") from None
+    lines = jsonl_lines(file, "sft dataset")
     root = jsonl_media_root(file)
     items: list[TaskItem] = []
     errors: list[tuple[int, str]] = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
+    for lineno, line in lines:
         try:
             items.append(_example(line, file.parent, root, len(items)))
         except ValueError as err:

@@ -26,6 +26,7 @@ from typing import Any
 
 from workers.config import PipelineConfig
 from workers.config.judge import JudgeConfig
+from workers.data.jsonl_task import jsonl_lines
 from workers.data.model_build import install_build, staging_dir
 from workers.data.task_items import TaskItem
 from workers.data.tasks import prompt_text
@@ -46,9 +47,7 @@ def read_labelled(path: Path) -> list[Labelled]:
     if not path.is_file():
         raise ValueError(f"labelled data {path} is not a file")
     pairs = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
+    for number, line in jsonl_lines(path, "labelled data"):
         try:
             row = json.loads(line)
             pair = Labelled(str(row["prompt"]), str(row["response"]), row.get("reference"), row["label"])
