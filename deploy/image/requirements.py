@@ -5,13 +5,15 @@
 
 The variants (the Dockerfile's `VARIANT` build argument):
 
-    cpu   (default)  extras workers + models; torch's CPU build from PyTorch's CPU index
-    cuda             extras workers + models + vllm-cuda; torch from PyPI, whose default wheels are the CUDA build
-                     (with the NVIDIA libraries as wheels: ~5 GB), the one vLLM's CUDA wheels are built against
+    cpu   (default)  extras workers + models + omni; torch's CPU build from PyTorch's CPU index
+    cuda             extras workers + models + omni + vllm-cuda; torch from PyPI, whose default wheels are the
+                     CUDA build (with the NVIDIA libraries as wheels: ~5 GB), the one vLLM's CUDA wheels are built
+                     against
 
 Both install the `models` extra (datasets for `type: hf` tasks, math-verify for the `math` reward, gguf and
 accelerate for GGUF imports): an image without it fails those tasks with a traceback and scores every `math`
-sample 0. The torch pin is the `workers` extra's, so the image follows pyproject.toml without an edit here.
+sample 0. Both install the `omni` extra too (soxr and PyAV: resampled audio, mp4/webm video). The torch pin is
+the `workers` extra's, so the image follows pyproject.toml without an edit here.
 Standard library only: it runs in a bare python image before anything is installed.
 """
 
@@ -23,8 +25,8 @@ import tomllib
 from pathlib import Path
 
 VARIANTS: dict[str, tuple[tuple[str, ...], str]] = {
-    "cpu": (("workers", "models"), "https://download.pytorch.org/whl/cpu"),
-    "cuda": (("workers", "models", "vllm-cuda"), "https://pypi.org/simple"),
+    "cpu": (("workers", "models", "omni"), "https://download.pytorch.org/whl/cpu"),
+    "cuda": (("workers", "models", "omni", "vllm-cuda"), "https://pypi.org/simple"),
 }
 """Each variant's extras of pyproject.toml and the index torch comes from (unless --torch-index-url names one)."""
 

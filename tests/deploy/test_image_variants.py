@@ -33,10 +33,10 @@ def extra(name: str) -> set[str]:
     return set(PROJECT["optional-dependencies"][name])
 
 
-def test_both_variants_install_the_models_extra_and_only_cuda_installs_vllm(tmp_path: Path) -> None:
+def test_both_variants_install_the_models_and_omni_extras_and_only_cuda_installs_vllm(tmp_path: Path) -> None:
     cpu, cuda = written(tmp_path, "cpu"), written(tmp_path, "cuda")
     for files in (cpu, cuda):
-        wanted = {*PROJECT["dependencies"], *extra("workers"), *extra("models")}
+        wanted = {*PROJECT["dependencies"], *extra("workers"), *extra("models"), *extra("omni")}
         assert wanted <= set(files["project.txt"].split("\n")), wanted - set(files["project.txt"].split("\n"))
         assert {"math-verify", "datasets"} <= {re.split("[=<>]", r)[0] for r in extra("models")}
         assert files["torch.txt"].strip() in extra("workers")  # the one torch pin, the workers extra's
