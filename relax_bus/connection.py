@@ -14,6 +14,7 @@ import nats.errors
 from nats.aio.client import DEFAULT_INBOX_PREFIX
 from nats.aio.client import Client as NATS
 
+from relax_bus.backoff import retrying
 from relax_bus.errors import ConfigError, NatsRefused, NatsUnreachable
 from relax_bus.log import get_logger
 from relax_bus.outage import note_denied
@@ -155,10 +156,8 @@ async def connect(
     # nats-py can hang closing a socket whose TLS handshake failed: bound each attempt (two per server).
     attempt_s = 2 * len(settings.nats_url) * (connect_timeout + 1)
     deadline = time.monotonic() + retry_for_s
-    delay = 0.2
-    attempt = 0
-    while True:
-        attempt += 1
+
+    async def attempt_connect(attempt: int) -> NATS:
         try:
             connecting = nats.connect(
                 servers=list(settings.nats_url),
@@ -179,25 +178,25 @@ async def connect(
                 # Per-user reply subjects (relax_bus.ops.auth); nats-py's _INBOX otherwise.
                 inbox_prefix=settings.inbox_prefix or DEFAULT_INBOX_PREFIX,
             )
-            nc = await asyncio.wait_for(connecting, attempt_s)
+            return await asyncio.wait_for(connecting, attempt_s)
         except Exception as err:  # nats-py raises many types on a failed first connect
-            if time.monotonic() + delay < deadline:
-                log.info(
-                    "nats_connect_retry",
-                    servers=urls,
-                    attempt=attempt,
-                    error=(first_errors or [type(err).__name__])[-1],
-                    left_s=round(deadline - time.monotonic(), 1),
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-                continue
-            # A refused login or certificate is the reason, not the reset or timeout that follows it.
-            refused = [e for e in first_errors if "authorization violation" in e.lower() or "certificate" in e.lower()]
-            reason = (refused or first_errors or [f"{type(err).__name__}: {err}"])[-1]
-            raise (NatsRefused if refused else NatsUnreachable)(f"cannot reach NATS at {urls} ({reason})") from None
-        holder.append(nc)
-        # Connected: from now on reconnect without limit, slowly.
-        nc.options["max_reconnect_attempts"] = -1
-        nc.options["reconnect_time_wait"] = 0.5
-        return nc
+            if (left := deadline - time.monotonic()) > 0:
+                error = (first_errors or [type(err).__name__])[-1]
+                log.info("nats_connect_retry", servers=urls, attempt=attempt, error=error, left_s=round(left, 1))
+            raise
+
+    try:
+        # Waits of 0.2 s doubling up to 2 s, plus up to 0.5 s of jitter (relax_bus.backoff).
+        async for attempt in retrying(Exception, retry_for_s, wait_initial=0.2, wait_max=2.0, jitter=0.5):
+            with attempt:
+                nc = await attempt_connect(attempt.num)
+    except Exception as err:
+        # A refused login or certificate is the reason, not the reset or timeout that follows it.
+        refused = [e for e in first_errors if "authorization violation" in e.lower() or "certificate" in e.lower()]
+        reason = (refused or first_errors or [f"{type(err).__name__}: {err}"])[-1]
+        raise (NatsRefused if refused else NatsUnreachable)(f"cannot reach NATS at {urls} ({reason})") from None
+    holder.append(nc)
+    # Connected: from now on reconnect without limit, slowly.
+    nc.options["max_reconnect_attempts"] = -1
+    nc.options["reconnect_time_wait"] = 0.5
+    return nc

@@ -14,6 +14,10 @@ and each loop of the bus that runs for a role binds `worker`, its worker id (the
 `relax inspect` show), while it runs (`relax_bus.loop`, with `bound`). They reach every event logged in that
 context (`merge_contextvars`), off a terminal the libraries' records too; the tasks and `asyncio.to_thread`
 calls started from it inherit them.
+
+The retry loops (`relax_bus.backoff`, stamina) log their own events; stamina's per-retry hook becomes one
+debug event, `retry_scheduled` (its default is a warning per retry with the arguments' reprs, and a Prometheus
+counter in whichever process has prometheus-client).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 import structlog
+from stamina.instrumentation import RetryDetails, set_on_retry_hooks
 
 ADOPTED_LOGGERS = ("transformers", "vllm", "torch")
 """Library loggers that would otherwise write past the root handler (their own handler, no propagation)."""
@@ -131,6 +136,18 @@ def configure(level: str = "info", json: bool | None = None) -> None:
     root.setLevel(max(lvl, logging.WARNING))
     _adopt_library_loggers()
     logging.captureWarnings(json)  # `warnings.warn` (torch, transformers) as records, so as JSON lines too
+    set_on_retry_hooks([_log_retry])
+
+
+def _log_retry(details: RetryDetails) -> None:
+    """stamina's hook, after a failed attempt: one debug event (the retry loop logs the operation itself)."""
+    get_logger("relax_bus.backoff").debug(
+        "retry_scheduled",
+        retry=details.retry_num,
+        error=type(details.caused_by).__name__,
+        wait_s=round(details.wait_for, 2),
+        waited_s=round(details.waited_so_far, 2),
+    )
 
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:

@@ -11,7 +11,6 @@ whose methods ride through an outage themselves (`relax_bus.run_state`).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -19,6 +18,7 @@ from typing import TypeVar
 import nats.errors
 import nats.js.errors
 
+from relax_bus.backoff import retrying
 from relax_bus.errors import AcksLost, NatsUnavailable, PermissionDenied
 from relax_bus.log import get_logger
 
@@ -77,23 +77,23 @@ def is_transient(err: BaseException) -> bool:
 async def through_outage(op: Callable[[], Awaitable[T]], what: str, deadline_s: float = OUTAGE_S) -> T:
     """Run `op` (idempotent), retrying transient failures with backoff for up to `deadline_s` seconds.
 
-    A request that times out (a loaded server, a start-up read) is retried as a lost connection is. One log
-    line per outage, when the first attempt fails; `NatsUnavailable` (one line) once it outlasts `deadline_s`."""
+    Waits between attempts: 0.1 s doubling up to 2 s, plus up to 0.5 s of jitter (`relax_bus.backoff`). A
+    request that times out (a loaded server, a start-up read) is retried as a lost connection is. One log line
+    per outage, when the first attempt fails; `NatsUnavailable` (one line) once it outlasts `deadline_s`."""
     started = time.monotonic()
-    deadline = started + deadline_s
-    delay = 0.1
-    retries = 0
-    while True:
-        try:
-            return await op()
-        except Exception as err:
-            if not is_transient(err):
-                raise
-            raise_if_denied(started, what)
-            if time.monotonic() + delay > deadline:
-                raise NatsUnavailable(f"{what}: NATS unavailable for {deadline_s:g}s ({type(err).__name__})") from None
-            if not retries:
-                log.info("nats_outage_retry", op=what, error=type(err).__name__, retrying_for_s=deadline_s)
-            retries += 1
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+    try:
+        async for attempt in retrying(is_transient, deadline_s, wait_initial=0.1, wait_max=2.0, jitter=0.5):
+            with attempt:
+                try:
+                    return await op()
+                except Exception as err:
+                    if is_transient(err):
+                        raise_if_denied(started, what)  # PermissionDenied is not retried
+                        if attempt.num == 1:
+                            log.info("nats_outage_retry", op=what, error=type(err).__name__, retrying_for_s=deadline_s)
+                    raise
+    except Exception as err:
+        if not is_transient(err):
+            raise
+        raise NatsUnavailable(f"{what}: NATS unavailable for {deadline_s:g}s ({type(err).__name__})") from None
+    raise AssertionError("unreachable: stamina re-raises the last error")

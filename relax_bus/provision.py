@@ -11,7 +11,6 @@ run that asks for more than the server has left is refused at once, with the set
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import OBJ_STREAM_TEMPLATE
 from pydantic import ValidationError
 
+from relax_bus.backoff import retrying
 from relax_bus.errors import ConfigError, ProvisionFailed, RunNotFound, TopologyConflict
 from relax_bus.log import get_logger
 from relax_bus.settings import C, RunConfig, incompatible_changes, validation_problems
@@ -353,18 +353,22 @@ _NOT_READY = (
 
 
 async def provision_when_ready(js: JetStreamContext, config: RunConfig, wait_s: float) -> ProvisionReport:
-    """`provision`, retried for up to `wait_s` seconds while JetStream is not ready (a fresh server or cluster)."""
+    """`provision`, retried for up to `wait_s` seconds while JetStream is not ready (a fresh server or cluster).
+
+    Waits between attempts: 0.25 s doubling up to 2 s, plus up to 0.25 s of jitter (`relax_bus.backoff`)."""
     deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            return await provision(js, config)
-        except _NOT_READY as err:
-            # Tolerated until the deadline: a cluster elects its JetStream leader seconds after it starts.
-            if time.monotonic() + 1.0 > deadline:
-                if isinstance(err, ProvisionFailed) or wait_s <= 0:
+    try:
+        # Tolerated until the deadline: a cluster elects its JetStream leader seconds after it starts.
+        async for attempt in retrying(_NOT_READY, wait_s, wait_initial=0.25, wait_max=2.0):
+            with attempt:
+                try:
+                    return await provision(js, config)
+                except _NOT_READY as err:
+                    if time.monotonic() < deadline:
+                        log.info("jetstream_not_ready", attempt=attempt.num, error=f"{type(err).__name__}: {err}")
                     raise
-                raise ProvisionFailed(
-                    f"JetStream was not ready within {wait_s:g}s ({type(err).__name__}: {err})"
-                ) from None
-            log.info("jetstream_not_ready", error=f"{type(err).__name__}: {err}")
-            await asyncio.sleep(1.0)
+    except _NOT_READY as err:
+        if isinstance(err, ProvisionFailed) or wait_s <= 0:
+            raise
+        raise ProvisionFailed(f"JetStream was not ready within {wait_s:g}s ({type(err).__name__}: {err})") from None
+    raise AssertionError("unreachable: stamina re-raises the last error")

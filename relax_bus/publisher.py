@@ -22,6 +22,7 @@ import nats.js.errors
 from nats.js import JetStreamContext, api
 
 from relax_bus import publish_ids
+from relax_bus.backoff import retrying
 from relax_bus.blobs import BlobStore
 from relax_bus.envelope import MSG_ID, seal
 from relax_bus.errors import NatsUnavailable, PublishFailed, StreamFull
@@ -34,6 +35,14 @@ log = get_logger(__name__)
 STREAM_FULL = 10077  # JetStream err_code: maximum messages / bytes exceeded with discard=new
 RETRYABLE_CODES = {STREAM_FULL, 10008}  # 10008: JetStream temporarily unavailable
 ATTEMPT_TIMEOUT_S = 5.0
+
+
+class _NotStored(Exception):
+    """A publish that was not stored but may be when retried: a full stream, a timeout, a leader election."""
+
+    def __init__(self, reason: str, full: bool) -> None:
+        super().__init__(reason)
+        self.full = full
 
 
 class Publisher:
@@ -131,40 +140,43 @@ class Publisher:
             raise PublishFailed(f"publish to {subject} was answered duplicate: {err}") from None
 
     async def _store(self, subject: str, payload: bytes, headers: dict[str, str], deadline_s: float) -> api.PubAck:
-        """Publish and wait for the stream's ack, retrying retryable failures with the same headers."""
+        """Publish and wait for the stream's ack, retrying retryable failures with the same headers.
+
+        Waits between attempts: 0.05 s doubling up to 1 s, plus up to 0.05 s of jitter (`relax_bus.backoff`)."""
         deadline = time.monotonic() + deadline_s
-        delay = 0.05
-        last = ""
-        full = False
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                # js.publish mutates the headers dict it is given: pass a copy each attempt.
-                return await self.js.publish(
-                    subject, payload, timeout=max(0.05, min(ATTEMPT_TIMEOUT_S, left)), headers=dict(headers)
-                )
-            except nats.errors.MaxPayloadError:
-                limit = self.js._nc.max_payload
-                raise PublishFailed(
-                    f"publish to {subject} refused: {len(payload)} bytes exceed the server's max_payload ({limit})"
-                ) from None
-            except nats.js.errors.APIError as err:
-                if err.err_code not in RETRYABLE_CODES and err.code != 503:
-                    raise PublishFailed(f"publish to {subject} refused: {err.description or err}") from None
-                full = err.err_code == STREAM_FULL
-                last = err.description or str(err)
-            except (
-                nats.errors.TimeoutError,
-                nats.js.errors.NoStreamResponseError,
-                nats.errors.ConnectionClosedError,
-                nats.errors.ConnectionReconnectingError,
-                nats.errors.OutboundBufferLimitError,
-            ) as err:
-                full = False
-                last = type(err).__name__
-            if time.monotonic() + delay >= deadline:
-                msg = f"publish to {subject} (id {headers.get(MSG_ID)}) failed for {deadline_s:g}s: {last}"
-                raise StreamFull(msg) if full else PublishFailed(msg)
-            log.debug("publish_retry", subject=subject, msg_id=headers.get(MSG_ID), reason=last)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+        try:
+            async for attempt in retrying(_NotStored, deadline_s, wait_initial=0.05, wait_max=1.0):
+                with attempt:
+                    return await self._store_once(subject, payload, headers, deadline)
+        except _NotStored as err:
+            msg = f"publish to {subject} (id {headers.get(MSG_ID)}) failed for {deadline_s:g}s: {err}"
+            raise StreamFull(msg) if err.full else PublishFailed(msg) from None
+        raise AssertionError("unreachable: stamina re-raises the last error")
+
+    async def _store_once(self, subject: str, payload: bytes, headers: dict[str, str], deadline: float) -> api.PubAck:
+        """One publish attempt, bounded by what is left until `deadline`; `_NotStored` when worth another."""
+        left = deadline - time.monotonic()
+        try:
+            # js.publish mutates the headers dict it is given: pass a copy each attempt.
+            return await self.js.publish(
+                subject, payload, timeout=max(0.05, min(ATTEMPT_TIMEOUT_S, left)), headers=dict(headers)
+            )
+        except nats.errors.MaxPayloadError:
+            limit = self.js._nc.max_payload
+            raise PublishFailed(
+                f"publish to {subject} refused: {len(payload)} bytes exceed the server's max_payload ({limit})"
+            ) from None
+        except nats.js.errors.APIError as err:
+            if err.err_code not in RETRYABLE_CODES and err.code != 503:
+                raise PublishFailed(f"publish to {subject} refused: {err.description or err}") from None
+            retry = _NotStored(err.description or str(err), full=err.err_code == STREAM_FULL)
+        except (
+            nats.errors.TimeoutError,
+            nats.js.errors.NoStreamResponseError,
+            nats.errors.ConnectionClosedError,
+            nats.errors.ConnectionReconnectingError,
+            nats.errors.OutboundBufferLimitError,
+        ) as err:
+            retry = _NotStored(type(err).__name__, full=False)
+        log.debug("publish_retry", subject=subject, msg_id=headers.get(MSG_ID), reason=str(retry))
+        raise retry

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from relax_bus.backoff import retrying
 from relax_bus.errors import NatsServerFailed
 from relax_bus.ops.credentials import Bundle, write_bundle
 from relax_bus.ops.server import EmbeddedServer
@@ -24,7 +25,7 @@ from relax_bus.settings import ConnectionSettings, RunConfig
 from workers.errors import RunFailed
 
 RESTART_ATTEMPTS = 10
-"""Tries (1 s apart) to bring a dead server back before the run fails."""
+"""Tries (0.5 s apart, doubling up to 2 s, with jitter) to bring a dead server back before the run fails."""
 
 
 class RunServer:
@@ -72,17 +73,16 @@ class RunServer:
             f"restarting it on {self.url} with its store"
         )
         down = time.monotonic()
-        last: NatsServerFailed | None = None
-        for _ in range(RESTART_ATTEMPTS):
-            self.server.proc = None
-            try:
-                await asyncio.to_thread(self.server.start)
-                break
-            except NatsServerFailed as err:  # the port still held, say: try again shortly
-                last = err
-                await asyncio.sleep(1.0)
-        else:
-            raise RunFailed(f"the embedded NATS server could not be restarted: {last}")
+        try:
+            # The port still held, say: try again shortly (0.5 s doubling up to 2 s, plus jitter).
+            async for attempt in retrying(
+                NatsServerFailed, None, wait_initial=0.5, wait_max=2.0, attempts=RESTART_ATTEMPTS
+            ):
+                with attempt:
+                    self.server.proc = None
+                    await asyncio.to_thread(self.server.start)
+        except NatsServerFailed as err:
+            raise RunFailed(f"the embedded NATS server could not be restarted: {err}") from None
         self.restarts += 1
         note(f"NATS back after {time.monotonic() - down:.1f}s (pid {self.server.pid}), restart {self.restarts}")
 
