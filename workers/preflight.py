@@ -26,7 +26,14 @@ Found = dict[str, Any]
 """What the checks have built so far (the model directory, the task's items), for the checks after them."""
 SCORING_MODULES = {"math": "math_verify"}
 """Built-in rewards whose module is imported only when a sample is scored (in the reward sandbox)."""
-MODULE_EXTRAS = {"datasets": "models", "math_verify": "models", "gguf": "models", "accelerate": "models"}
+MODULE_EXTRAS = {
+    "datasets": "models",
+    "math_verify": "models",
+    "gguf": "models",
+    "accelerate": "models",
+    "soxr": "omni",
+    "av": "omni",
+}
 """Optional modules a config's parts may need, and the project's extra that installs each."""
 
 
@@ -42,6 +49,36 @@ def _task(config: PipelineConfig, work_dir: Path, found: Found) -> None:
     from workers.data.tasks import load_task
 
     found["task"] = load_task(task_spec(config.task))
+
+
+MEDIA_ITEMS = 8
+"""How many of the task's first items with media the `media` check decodes."""
+
+
+def _media(config: PipelineConfig, work_dir: Path, found: Found) -> None:
+    """The media of the task's first items with media (`MEDIA_ITEMS`) decode within the limits, as the rollout role
+    decodes them: a broken or unsupported clip is refused before the run instead of dead-lettered in it. Parts
+    held in the run's object store (no file of the task's) are left to the roles."""
+    from workers.omni.media_refs import has_media
+
+    items = [item for item in found.get("task") or () if has_media(item.parts)][:MEDIA_ITEMS]
+    if not items:
+        return  # a text task never imports the media stack
+    from schemas.parts import TextPart
+    from workers.data.jsonl_task import task_media_root
+    from workers.omni.errors import MediaError
+    from workers.omni.media import decode_media
+    from workers.omni.media_refs import read_uri
+
+    root = task_media_root(config.task)
+    for item in items:
+        for part in item.parts:
+            if isinstance(part, TextPart) or (part.ref is not None and part.ref.uri is None):
+                continue
+            try:
+                decode_media(part, read=lambda ref: read_uri(str(ref.uri), root))
+            except MediaError as err:
+                raise MediaError(f"item {item.index}, {part.type} {part.mime}: {err}") from None
 
 
 def _sft(config: PipelineConfig, work_dir: Path, found: Found) -> None:
@@ -134,6 +171,7 @@ Check = Callable[[PipelineConfig, Path, Found], None]
 CHECKS: dict[str, tuple[str, Check]] = {
     "model": ("model.source", _model),
     "task": ("task", _task),
+    "media": ("task", _media),
     "sft": ("trainer.sft.dataset", _sft),
     "prompt_format": ("model.prompt_format", _prompt_renders),
     "rewards": ("rewards", _rewards),
@@ -141,7 +179,8 @@ CHECKS: dict[str, tuple[str, Check]] = {
     "teacher": ("teacher.source", _teacher),
     "judge": ("judge", _judge),
 }
-"""Each check by name (what `RoleDef.checks` lists): the config key a problem is reported under, and the check.
+"""Each check by name (what `RoleDef.checks` lists): the config key a problem is reported under, and the check
+(`media` needs `task` before it, whose items it reads).
 They run in this order; a later one may use what an earlier one found (the prompt, the model and the task)."""
 
 

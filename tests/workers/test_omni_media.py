@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import json
 
+import av
 import numpy as np
 import pytest
 import soundfile
@@ -11,7 +13,9 @@ import torch
 from PIL import Image
 from transformers import Qwen2VLImageProcessorPil
 
+from relax_bus.errors import ConfigError
 from schemas.parts import AudioPart, ImagePart, MediaRef, TextPart, VideoPart
+from workers.config import parse_config
 from workers.omni.errors import MediaError
 from workers.omni.media import (
     FRAMES_MIME,
@@ -21,6 +25,7 @@ from workers.omni.media import (
     decode_image,
     decode_parts,
     decode_video,
+    processor_inputs,
     resample,
 )
 from workers.omni.tasks import (
@@ -36,8 +41,9 @@ from workers.omni.tasks import (
     read_colour,
     read_direction,
 )
-from workers.omni.tiny import MEDIA_TOKENS, build_tokenizer
+from workers.omni.tiny import MEDIA_TOKENS, build_processor, build_tokenizer
 from workers.omni.video import NumpyVideoProcessor
+from workers.preflight import preflight
 
 pytestmark = pytest.mark.workers
 
@@ -75,25 +81,93 @@ def test_audio_decodes_to_mono_at_the_target_rate_and_is_bounded() -> None:
     assert (wave.dtype, wave.shape) == (np.float32, (8000,))
     assert np.allclose(wave, np.sin(np.arange(8000) / 7), atol=1e-6)
     assert decode_audio(wav(0.5, 8000), 16000).shape == (8000,)  # resampled 8 kHz -> 16 kHz
-    assert np.allclose(resample(np.arange(4, dtype=np.float32), 2, 4), [0, 0.5, 1, 1.5, 2, 2.5, 3, 3])
     with pytest.raises(MediaError, match="exceeds the limit"):
         decode_audio(wav(2.0, 16000), 16000, MediaLimits(max_audio_seconds=1.0))
     with pytest.raises(MediaError, match="cannot decode audio"):
         decode_audio(b"RIFF nonsense", 16000)
 
 
+def tone(hz: float, rate: int, seconds: float = 1.0) -> np.ndarray:
+    return np.sin(2 * np.pi * hz * np.arange(int(rate * seconds)) / rate).astype(np.float32)
+
+
+def test_resampling_keeps_in_band_tones_and_removes_aliases() -> None:
+    # 48 kHz -> 16 kHz: the new Nyquist is 8 kHz. Edges left out: the filter's start-up and tail.
+    core = slice(800, -800)
+    kept = resample(tone(1000, 48000), 48000, 16000)
+    assert (kept.dtype, kept.shape) == (np.float32, (16000,))
+    assert np.abs(kept[core] - tone(1000, 16000)[core]).max() < 0.01
+    # 11 kHz is above the new Nyquist: decimating it (or interpolating linearly) folds it to 16 - 11 = 5 kHz
+    # at full amplitude (rms 0.71); the anti-aliasing filter removes it (below -40 dB).
+    folded = resample(tone(11000, 48000), 48000, 16000)
+    assert np.sqrt(np.mean(folded[core] ** 2)) < 0.01
+    assert np.sqrt(np.mean(tone(11000, 48000)[::3][core] ** 2)) > 0.5  # what plain decimation leaves
+    up = resample(tone(440, 8000), 8000, 16000)  # upsampling keeps the tone too
+    assert np.abs(up[core] - tone(440, 16000)[core]).max() < 0.01
+
+
 def test_video_frames_decode_and_are_bounded() -> None:
     frames = np.random.default_rng(0).integers(0, 256, (3, 28, 28, 3), dtype=np.uint8)
     assert np.array_equal(decode_video(npy(frames), FRAMES_MIME), frames)
     assert np.array_equal(check_frames([Image.fromarray(f) for f in frames]), frames)
-    with pytest.raises(MediaError, match="cannot be decoded yet"):
-        decode_video(b"\x00\x00\x00\x18ftypmp42", "video/mp4")
+    with pytest.raises(MediaError, match="video/avi is not supported"):
+        decode_video(npy(frames), "video/avi")
     with pytest.raises(MediaError, match=r"outside 1\.\.2"):
         decode_video(npy(frames), FRAMES_MIME, MediaLimits(max_frames=2))
     with pytest.raises(MediaError, match="uint8"):
         check_frames(frames.astype(np.float32))
     with pytest.raises(MediaError, match="video frame of 28x28"):
         check_frames(frames, MediaLimits(max_pixels=100))
+
+
+def encoded(fmt: str, codec: str, levels: list[int], rate: int, size: tuple[int, int] = (64, 48)) -> bytes:
+    """A clip written with PyAV: one frame per level (every pixel that grey level), `rate` frames per second."""
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=fmt) as out:
+        stream = out.add_stream(codec, rate=rate)
+        stream.width, stream.height, stream.pix_fmt = *size, "yuv420p"
+        for level in levels:
+            frame = np.full((size[1], size[0], 3), level, np.uint8)
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        out.mux(stream.encode())
+    return buf.getvalue()
+
+
+LEVELS = [20, 50, 80, 110, 140, 170, 200, 230]
+"""Eight frames, 0.25 s apart at 4 fps: frame k shown from k / 4 s."""
+
+
+@pytest.mark.parametrize(("fmt", "mime", "codec"), [("mp4", "video/mp4", "libx264"), ("webm", "video/webm", "libvpx")])
+def test_container_video_decodes_and_is_sampled_at_the_parts_fps(fmt: str, mime: str, codec: str) -> None:
+    clip = encoded(fmt, codec, LEVELS, rate=4)
+
+    def levels(frames: np.ndarray) -> list[int]:
+        assert frames.dtype == np.uint8 and frames.shape[1:] == (48, 64, 3)
+        return [round(float(f.mean()) / 10) * 10 for f in frames]  # lossy codecs: a level within a few units
+
+    assert levels(decode_video(clip, mime, fps=4.0)) == LEVELS
+    assert levels(decode_video(clip, mime, fps=2.0)) == LEVELS[::2]  # frames at 0, 0.5, 1.0, 1.5 s
+    assert levels(decode_video(clip, mime)) == LEVELS[::2]  # no fps: 2 per second, the processor's default
+    assert levels(decode_video(clip, mime, fps=8.0)) == LEVELS  # a slower source: each frame once
+    with pytest.raises(MediaError, match="more than 3 frames at 2 fps"):
+        decode_video(clip, mime, MediaLimits(max_frames=3), fps=2.0)
+    with pytest.raises(MediaError, match="video frame of 64x48"):
+        decode_video(clip, mime, MediaLimits(max_pixels=1000))
+    with pytest.raises(MediaError, match="cannot decode video"):
+        decode_video(clip[: len(clip) // 3], mime)  # cut short: the index or the frames are missing
+    with pytest.raises(MediaError, match="cannot decode video"):
+        decode_video(b"\x00\x00\x00\x18ftypmp42 not a movie", mime)
+
+
+def test_an_mp4_part_reaches_the_processor_as_a_clip() -> None:
+    processor = build_processor()
+    clip = encoded("mp4", "libx264", LEVELS, rate=4, size=(56, 56))
+    prompt = decode_parts([VideoPart(mime="video/mp4", inline=clip, fps=2.0), TextPart(text="?")], processor.tokenizer)
+    assert [v.shape for v in prompt.videos] == [(4, 56, 56, 3)] and prompt.fps == 2.0
+    inputs = processor_inputs(processor, prompt)
+    assert inputs["video_grid_thw"].tolist() == [[2, 4, 4]]  # 4 frames / temporal patch 2, 56 px / 14
+    video_token = processor.tokenizer.convert_tokens_to_ids(MEDIA_TOKENS["video_token"])
+    assert int((inputs["input_ids"] == video_token).sum()) == 2 * 4 * 4 // 4  # merged 2x2
 
 
 def test_parts_become_text_with_one_placeholder_per_item_in_order() -> None:
@@ -178,3 +252,22 @@ def test_generated_tasks_decode_and_their_answers_agree(kind: str) -> None:
         assert read == item.answer
     with pytest.raises(ValueError, match="unknown omni task"):
         make_items("smell", 1)  # type: ignore[arg-type]
+
+
+def test_the_pre_start_check_decodes_the_first_items_media(tmp_path) -> None:
+    """A broken clip is refused before the run, in one line naming its item, instead of dead-lettered in it."""
+    (tmp_path / "good.mp4").write_bytes(encoded("mp4", "libx264", LEVELS, rate=4))
+    (tmp_path / "bad.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not a movie")
+    rows = [
+        {"prompt": [{"type": "video", "path": name, "fps": 2}, {"type": "text", "text": "?"}], "answer": "a"}
+        for name in ("good.mp4", "good.mp4", "bad.mp4")
+    ]
+    data = tmp_path / "task.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = parse_config({"run": "pf", "task": {"type": "jsonl", "options": {"path": str(data)}}})
+    with pytest.raises(ConfigError) as err:
+        preflight(config, tmp_path, ("task", "media"))
+    [problem] = err.value.problems
+    assert problem.startswith("task: item 2, video video/mp4: cannot decode video: ") and "\n" not in problem
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows[:2]))
+    preflight(config, tmp_path, ("task", "media"))  # the good clips pass

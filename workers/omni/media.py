@@ -1,10 +1,11 @@
 """A prompt's parts (text, image, audio, video) -> the processor's tensors for one multimodal forward.
 
 Each media part is decoded into what the Hugging Face processor takes: a PIL image from image bytes, a mono
-float32 waveform at the feature extractor's sample rate from WAV/FLAC/OGG bytes (soundfile; resampled
-linearly when the rate differs), and a clip of frames [T, H, W, 3] uint8 from `FRAMES_MIME` bytes (an
-`np.save` array) or from frames given in memory. Container video (mp4, webm) is refused for now: decoding
-it needs `av`, which is not wired yet. The prompt text places one placeholder per media item, in order
+float32 waveform at the feature extractor's sample rate from WAV/FLAC/OGG bytes (soundfile; resampled with
+soxr's anti-aliasing filter when the rate differs), and a clip of frames [T, H, W, 3] uint8 from `FRAMES_MIME`
+bytes (an `np.save` array, frames already sampled), from frames given in memory, or decoded from mp4 / webm
+bytes with PyAV and sampled at the part's `fps` (2 per second when it gives none: the rate the processor then
+assumes). soxr and PyAV come with the `omni` extra. The prompt text places one placeholder per media item, in order
 (`<|vision_bos|><|IMAGE|><|vision_eos|>`, `<|audio_bos|><|AUDIO|><|audio_eos|>`,
 `<|vision_bos|><|VIDEO|><|vision_eos|>`); the processor expands each placeholder to as many media tokens
 as the item's features take, so the returned `input_ids` are the ids the engine samples after and the
@@ -28,7 +29,11 @@ from workers.omni.errors import MediaError
 from workers.omni.inputs import MediaInputs
 
 FRAMES_MIME = "video/x-npy-frames"
-"""A clip as the bytes of `np.save(frames)`, frames uint8 [T, H, W, 3]: video without a container decoder."""
+"""A clip as the bytes of `np.save(frames)`, frames uint8 [T, H, W, 3], already sampled at the part's `fps`."""
+CONTAINER_MIMES = ("video/mp4", "video/webm")
+"""Container video, decoded with PyAV (`decode_container`) and sampled at the part's `fps`."""
+DEFAULT_FPS = 2.0
+"""Frames per second sampled from a container video whose part gives no `fps`: the Qwen processors' default."""
 
 MediaReader = Callable[[MediaRef], bytes]
 """Reads a referenced payload (an object-store digest or a URI) into bytes."""
@@ -85,23 +90,65 @@ def decode_audio(data: bytes, sample_rate: int, limits: MediaLimits = MediaLimit
 
 
 def resample(wave: np.ndarray, rate: int, target: int) -> np.ndarray:
-    """Linear-interpolation resampling of a mono waveform [N] from `rate` to `target` Hz (float32)."""
+    """A mono waveform [N] at `rate` Hz -> [round(N * target / rate)] float32 at `target` Hz (soxr, `HQ`).
+
+    soxr low-passes below the lower of the two Nyquist frequencies (min(rate, target) / 2) before it
+    resamples, so a tone above the new Nyquist is removed instead of folding back into the band as an alias."""
     if rate == target:
         return wave.astype(np.float32, copy=False)
-    count = max(1, round(len(wave) * target / rate))
-    times = np.arange(count) * (rate / target)
-    return np.interp(times, np.arange(len(wave)), wave).astype(np.float32)
+    import soxr  # the `omni` extra
+
+    return np.asarray(soxr.resample(wave.astype(np.float32, copy=False), rate, target, quality="HQ"), np.float32)
 
 
-def decode_video(data: bytes, mime: str, limits: MediaLimits = MediaLimits()) -> np.ndarray:
-    """Video bytes -> frames uint8 [T, H, W, 3]; only `FRAMES_MIME` for now (container decoding needs `av`)."""
+def decode_video(data: bytes, mime: str, limits: MediaLimits = MediaLimits(), fps: float | None = None) -> np.ndarray:
+    """Video bytes -> frames uint8 [T, H, W, 3]: `FRAMES_MIME` as sent, a container (`CONTAINER_MIMES`) sampled
+    at `fps` frames per second (`DEFAULT_FPS` when None) by `decode_container`."""
+    if mime in CONTAINER_MIMES:
+        return decode_container(data, DEFAULT_FPS if fps is None else fps, limits)
     if mime != FRAMES_MIME:
-        raise MediaError(f"video {mime} cannot be decoded yet: send frames as {FRAMES_MIME} (np.save of [T, H, W, 3])")
+        known = ", ".join([*CONTAINER_MIMES, FRAMES_MIME])
+        raise MediaError(f"video {mime} is not supported (send one of {known})")
     try:
         frames = np.load(io.BytesIO(data), allow_pickle=False)
     except (OSError, ValueError) as err:
         raise MediaError(f"cannot decode video frames: {err}") from err
     return check_frames(frames, limits)
+
+
+def decode_container(data: bytes, fps: float, limits: MediaLimits = MediaLimits()) -> np.ndarray:
+    """mp4 / webm bytes -> frames uint8 [T, H, W, 3] sampled at `fps` (PyAV, the `omni` extra).
+
+    Frame k of the clip is the first decoded frame shown at or after k / fps seconds (a frame is taken once: a
+    source slower than `fps` gives each of its frames once), so T = floor(duration * fps) + 1 for a source at
+    least as fast. These are the frames a `FRAMES_MIME` clip sent at `fps` would carry, and the processor is
+    given the same `fps`. A clip longer than `limits.max_frames` at that rate is refused, not cut, and decoding
+    stops as soon as it is known."""
+    import av  # the `omni` extra
+
+    step = 1.0 / fps
+    frames: list[np.ndarray] = []
+    next_t = 0.0
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.video:
+                raise MediaError("video container has no video stream")
+            stream = container.streams.video[0]
+            for frame in container.decode(stream):
+                t = frame.time if frame.time is not None else len(frames) * step
+                if t + 1e-6 < next_t:
+                    continue
+                _check_pixels(frame.width, frame.height, limits, "video frame")
+                if len(frames) == limits.max_frames:
+                    raise MediaError(f"video of more than {limits.max_frames} frames at {fps:g} fps exceeds the limit")
+                frames.append(frame.to_ndarray(format="rgb24"))
+                while next_t <= t + 1e-6:
+                    next_t += step
+    except av.FFmpegError as err:
+        raise MediaError(f"cannot decode video: {err}") from err
+    if not frames:
+        raise MediaError("video has no frames")
+    return check_frames(np.stack(frames), limits)
 
 
 def check_frames(frames: Any, limits: MediaLimits = MediaLimits()) -> np.ndarray:
@@ -131,17 +178,35 @@ def decode_parts(
     for part in parts:
         if isinstance(part, TextPart):
             out.text += part.text
-        elif isinstance(part, ImagePart):
-            out.images.append(decode_image(_payload(part, read), limits))
+            continue
+        decoded = decode_media(part, sample_rate, read, limits)
+        if isinstance(part, ImagePart):
+            out.images.append(decoded)
             out.text += tokenizer.vision_bos_token + tokenizer.image_token + tokenizer.vision_eos_token
         elif isinstance(part, AudioPart):
-            out.audios.append(decode_audio(_payload(part, read), sample_rate, limits))
+            out.audios.append(decoded)
             out.text += tokenizer.audio_bos_token + tokenizer.audio_token + tokenizer.audio_eos_token
-        elif isinstance(part, VideoPart):
-            out.videos.append(decode_video(_payload(part, read), part.mime, limits))
+        else:
+            out.videos.append(decoded)
             out.text += tokenizer.vision_bos_token + tokenizer.video_token + tokenizer.vision_eos_token
             out.fps = part.fps if part.fps is not None else out.fps
     return out
+
+
+def decode_media(
+    part: ImagePart | AudioPart | VideoPart,
+    sample_rate: int = 16000,
+    read: MediaReader | None = None,
+    limits: MediaLimits = MediaLimits(),
+) -> Any:
+    """One media part decoded: a PIL image, a waveform [N] float32 at `sample_rate`, or frames [T, H, W, 3] uint8
+    (video sampled at the part's `fps`); MediaError (one line) when it cannot be or exceeds `limits`."""
+    data = _payload(part, read)
+    if isinstance(part, ImagePart):
+        return decode_image(data, limits)
+    if isinstance(part, AudioPart):
+        return decode_audio(data, sample_rate, limits)
+    return decode_video(data, part.mime, limits, part.fps)
 
 
 def processor_inputs(processor: Any, prompt: PromptMedia) -> MediaInputs:
