@@ -9,11 +9,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from typing_extensions import TypeVar
 
@@ -25,6 +34,13 @@ HEADER_BYTES = 8 * 1024
 """Room for a message's headers that `bus.max_msg_bytes` must leave above the claim-check threshold."""
 DEFAULT_HEADROOM = 64 * 1024
 """What the default `bus.max_msg_bytes` allows above the claim-check threshold (headers are a few hundred bytes)."""
+
+if TYPE_CHECKING:
+    ByteCount = int  # what every reader of such a field gets
+else:
+    ByteCount = Annotated[ByteSize, AfterValidator(int)]
+"""A size in bytes: an int, or a string with a unit (`256MiB`, `2GiB`, `1.5 GB`; KiB/MiB/GiB are powers of 1024,
+KB/MB/GB of 1000). Validated to a plain int, which is what every reader of the field gets."""
 
 
 def _split_urls(value: Any) -> Any:
@@ -132,11 +148,11 @@ class BusConfig(BaseModel):
     """Stream replicas (3 on a three-server cluster)."""
     hop_max_msgs: int = Field(default=10_000, ge=1)
     """Bound of each hand-off stream (prompts, rollouts, scored); a full hop pushes back on its producer."""
-    hop_max_bytes: int = Field(default=256 << 20, ge=1 << 20)
+    hop_max_bytes: ByteCount = Field(default=256 << 20, ge=1 << 20)
     """Byte bound of each hand-off stream (JetStream reserves it on the server's disk)."""
     train_max_age_s: float = Field(default=7 * 86400, gt=0)
     """How long trained groups stay in the train stream for replay."""
-    train_max_bytes: int = Field(default=2 << 30, ge=1 << 20)
+    train_max_bytes: ByteCount = Field(default=2 << 30, ge=1 << 20)
     """Byte bound of the train stream, oldest first out (JetStream reserves it on the server's disk)."""
     ack_wait_s: float = Field(default=10.0, gt=0)
     """How long a delivered message may go unacknowledged before redelivery: a dead worker's messages come back at
@@ -150,20 +166,20 @@ class BusConfig(BaseModel):
     """Window in which a republished Nats-Msg-Id is recognised as a duplicate."""
     dlq_max_age_s: float = Field(default=14 * 86400, gt=0)
     """How long dead letters are kept."""
-    dlq_max_bytes: int = Field(default=256 << 20, ge=1 << 20)
+    dlq_max_bytes: ByteCount = Field(default=256 << 20, ge=1 << 20)
     """Byte bound of the dlq stream; at the bound the oldest letters go first, so dead-lettering never blocks a
     hop (JetStream reserves it on the server's disk)."""
     events_max_msgs: int = Field(default=100_000, ge=1)
     """Bound of the events stream (oldest go first)."""
-    events_max_bytes: int = Field(default=256 << 20, ge=1 << 20)
+    events_max_bytes: ByteCount = Field(default=256 << 20, ge=1 << 20)
     """Byte bound of the events stream, oldest first out (JetStream reserves it on the server's disk)."""
-    claim_check_bytes: int = Field(default=512 * 1024, ge=1024)
+    claim_check_bytes: ByteCount = Field(default=512 * 1024, ge=1024)
     """Payloads above this size go to the object store; the message carries only their digest."""
-    max_msg_bytes: int | None = Field(default=None, ge=1024)
+    max_msg_bytes: ByteCount | None = Field(default=None, ge=1024)
     """Largest message (headers included) any stream of the run stores; the server refuses a bigger publish.
     Null: claim_check_bytes plus 64 KiB. At least claim_check_bytes plus 8 KiB, so that every message the claim
     check leaves inline fits."""
-    media_max_bytes: int = Field(default=2 << 30, ge=1 << 20)
+    media_max_bytes: ByteCount = Field(default=2 << 30, ge=1 << 20)
     """Byte bound of the media store (claim-check payloads and media items); a full store refuses new objects with
     an error naming this setting (JetStream reserves it on the server's disk)."""
     media_max_age_s: float = Field(default=7 * 86400, gt=0)
@@ -172,12 +188,12 @@ class BusConfig(BaseModel):
     groups. Media items put by digest age out too (put them again for a longer run)."""
     weights_keep: int = Field(default=3, ge=1)
     """Policy versions kept in the weights store."""
-    weights_max_bytes: int | None = Field(default=None, ge=1 << 20)
+    weights_max_bytes: ByteCount | None = Field(default=None, ge=1 << 20)
     """Byte bound of the weights store; null: none. Only the trainer may write this store, and its retention
     bounds it: v0 and the newest weights_keep versions (one more while the next is written) — ~2.7 GB for a
     135M-parameter float32 model at the defaults. A bound is reserved on the server's disk (JetStream), and a
     put that does not fit fails with an error naming this setting."""
-    checkpoints_max_bytes: int | None = Field(default=None, ge=1 << 20)
+    checkpoints_max_bytes: ByteCount | None = Field(default=None, ge=1 << 20)
     """Byte bound of the checkpoints store (whole checkpoints: weights, optimizer state, the run's ledger); null:
     none. Only the trainer (and the admin) may read or write it: optimizer state and ledger are not for the
     other roles. Its retention bounds it: step 0's checkpoint and the newest trainer.checkpoint.keep, one more
@@ -185,13 +201,13 @@ class BusConfig(BaseModel):
     at the defaults). Reserved up front when set, like weights_max_bytes."""
     heartbeat_ttl_s: float = Field(default=15.0, ge=1)
     """A worker that has not written its heartbeat for this long is gone."""
-    heartbeat_max_bytes: int = Field(default=4096, ge=1024)
+    heartbeat_max_bytes: ByteCount = Field(default=4096, ge=1024)
     """Largest heartbeat value (the workers bucket refuses a bigger put, and readers skip one)."""
-    workers_max_bytes: int = Field(default=16 << 20, ge=1 << 20)
+    workers_max_bytes: ByteCount = Field(default=16 << 20, ge=1 << 20)
     """Byte bound of the workers (heartbeat) bucket; a full bucket refuses new keys (JetStream reserves it)."""
-    state_max_bytes: int = Field(default=64 << 20, ge=1 << 20)
+    state_max_bytes: ByteCount = Field(default=64 << 20, ge=1 << 20)
     """Byte bound of the run's state bucket (config, versions, cursors, credits; JetStream reserves it)."""
-    episodes_max_bytes: int = Field(default=64 << 20, ge=1 << 20)
+    episodes_max_bytes: ByteCount = Field(default=64 << 20, ge=1 << 20)
     """Byte bound of the episodes bucket: the last completed turn of every multi-turn episode in flight (a rollout
     worker that dies mid-episode leaves it to another from there; JetStream reserves it)."""
     episodes_max_age_s: float = Field(default=3600.0, ge=60)

@@ -14,7 +14,7 @@ import types
 import typing
 from typing import Any
 
-from pydantic import BaseModel, RootModel
+from pydantic import BaseModel, ByteSize, RootModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
@@ -56,6 +56,10 @@ def _default(field: FieldInfo) -> str:
 
 def _type_name(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _type_name(typing.get_args(annotation)[0])
+    if annotation is ByteSize:
+        return "bytes (int or `256MiB`)"
     if origin is typing.Literal:
         return " \\| ".join(f"`{a}`" for a in typing.get_args(annotation))
     if origin in (typing.Union, types.UnionType):

@@ -149,3 +149,26 @@ def test_connection_retry_is_bounded_by_a_setting(monkeypatch):
     assert ConnectionSettings().connect_retry_s == 0.0
     with pytest.raises(ValueError, match="connect_retry_s"):
         ConnectionSettings(connect_retry_s=-1)
+
+
+def test_byte_sizes_take_units_and_stay_ints():
+    c = parse_config(
+        {
+            "run": "r1",
+            "bus": {"hop_max_bytes": "512MiB", "train_max_bytes": "3GB", "claim_check_bytes": 65536},
+            "metrics": {"sample_text_bytes": "4KiB"},
+        }
+    )
+    sizes = (c.bus.hop_max_bytes, c.bus.train_max_bytes, c.bus.claim_check_bytes, c.metrics.sample_text_bytes)
+    assert sizes == (512 << 20, 3 * 10**9, 65536, 4096)
+    assert all(type(size) is int for size in sizes)  # not ByteSize: what the topology and the roles compute with
+    assert c.model_dump(mode="json")["bus"]["hop_max_bytes"] == 512 << 20
+    prompts = next(s for s in build_topology(c).streams if s.key == "prompts")
+    assert type(prompts.max_bytes) is int and prompts.max_bytes == 512 << 20  # what the server is given
+    assert parse_config({"run": "r1", "bus": {"weights_max_bytes": "1.5 GiB"}}).bus.weights_max_bytes == 3 << 29
+    with pytest.raises(ConfigError) as info:
+        parse_config({"run": "r1", "bus": {"hop_max_bytes": "1KiB", "dlq_max_bytes": "lots", "max_msg_bytes": "1 KB"}})
+    problems = "\n".join(info.value.problems)
+    assert "bus.hop_max_bytes: Input should be greater than or equal to 1048576 (got '1KiB')" in problems
+    assert "bus.dlq_max_bytes: could not parse value and unit from byte string (got 'lots')" in problems
+    assert "bus.max_msg_bytes: Input should be greater than or equal to 1024 (got '1 KB')" in problems

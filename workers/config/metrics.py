@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from relax_bus.settings import ByteCount
 from schemas.bounded import MAX_SAMPLE_TEXT, MAX_STEP_SAMPLES
 from workers.config.base import Section
 
@@ -51,7 +52,7 @@ class MetricsConfig(Section):
     samples_per_step: int = Field(default=4, ge=0, le=MAX_STEP_SAMPLES)
     """Trained samples logged per step (prompt, response, reward and its terms): `samples.jsonl` beside
     `metrics.jsonl`, TensorBoard text, a W&B table; 0 turns the samples log off."""
-    sample_text_bytes: int = Field(default=2048, ge=16, le=MAX_SAMPLE_TEXT)
+    sample_text_bytes: ByteCount = Field(default=2048, ge=16, le=MAX_SAMPLE_TEXT)
     """Longest prompt, response or error text of a logged sample, in UTF-8 bytes (a longer one is clipped: a
     prompt keeps its end, a response its start)."""
 
