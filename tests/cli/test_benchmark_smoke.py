@@ -57,3 +57,44 @@ def test_weights_stream_benchmark_takes_its_streamed_case_from_the_followed_uplo
     assert "after / streamed latency" in result.stdout
     row = json.loads(out.read_text())["rows"][0]
     assert set(row["cases"]) == {"after", "streamed"} and row["streamed_fetches"] == 1  # not a plain fetch twice
+
+
+@pytest.mark.timeout(300)  # ~35 s of CPU in all; a loaded 2-core machine stretches the roles' start-up
+def test_gpu_run_dry_run_goes_through_relax_run_and_reports_against_plain_loops(tmp_path):
+    # The CPU dry run of the one-GPU benchmark: a tiny model of a real vocabulary's kind, the plain loops, then
+    # the real `relax run` (embedded nats-server, every role a process) and the report read from metrics.jsonl.
+    out, work = tmp_path / "gpu_run.json", tmp_path / "work"
+    args = ["--device", "cpu", "--work-dir", str(work), "--out", str(out), "--bundle", str(tmp_path / "no-bundle")]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_run.py"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "trained tokens/s (train_s)" in result.stdout and "bus s per step" in result.stdout
+    data = json.loads(out.read_text())
+    assert data["shape"] == "tiny" and data["batch"]["steps"] == 2
+    assert [r["step"] for r in data["records"]] == [1.0, 2.0]  # the run's own metrics.jsonl, every step
+    run = data["run"]
+    assert run["train_s"] > 0 and run["step_s"] >= run["train_s"] and 0 <= run["bus_share"] < 1
+    assert run["trained_tokens_per_s"] > 0 and run["engine_tokens_per_s"] > 0
+    assert data["plain_train"]["tokens_per_s"] > 0 and data["plain_generate"]["tokens_per_s"] > 0
+    assert data["run_peak_gpu_gib"] is None  # no GPU: nothing polled
+    assert "NATS nats://127.0.0.1:" in (work / "run.log").read_text()  # the launcher's embedded server
+    assert {p.name for p in (work / "run" / "logs").glob("*.log")} >= {"actor-0.log", "rollout-0.log"}
+
+
+def test_gpu_run_tokenizer_spans_the_model_vocabulary_and_reads_text_as_bytes():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from gpu_run import wide_byte_tokenizer
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    tok = wide_byte_tokenizer(151936)  # Qwen2.5's vocabulary
+    assert len(tok) == 151936
+    assert tok.encode("héllo") == list("héllo".encode())  # one token per byte, no merges
+    assert tok.decode([259 + ord("h") + 256 * ord("i")]) == "hi" and tok.decode([258]) == "<eos>"  # two-byte ids
+    assert len(set(tok.convert_ids_to_tokens(list(range(151936))))) == 151936  # every id its own byte string
