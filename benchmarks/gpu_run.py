@@ -364,8 +364,10 @@ def write_task(path: Path, args: argparse.Namespace) -> Path:
     return path
 
 
-def run_config(model_dir: Path, task: Path, shm_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """The run: one rollout worker and the actor on the device, shm weights, the metrics written by the launcher."""
+def run_config(model_dir: Path, task: Path, shm_dir: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The run: one rollout worker and the actor on the device, shm weights, the metrics written by the launcher,
+    the checkpoints (steps 0 and last) on local disk under `work` (the default puts them whole into the object
+    store: GBs through the bus at a real shape)."""
     return {
         "run": f"gpu-run-{args.shape}",
         "groups_per_step": args.groups,
@@ -386,7 +388,7 @@ def run_config(model_dir: Path, task: Path, shm_dir: Path, args: argparse.Namesp
         "trainer": {
             "steps": args.steps,
             "optim": {"lr": 1e-6},
-            "checkpoint": {"every": 10_000},
+            "checkpoint": {"every": 10_000, "keep": 1, "dir": str(work / "ckpt")},
             "compute": {"device": args.device, "precision": "auto", "micro_batch_tokens": args.micro_batch_tokens},
         },
         "weights": {"type": "shm", "dir": str(shm_dir)},
@@ -574,7 +576,7 @@ def main() -> None:
     gen = phase("plain_generate_s", "plain generate loop", lambda: plain_generate(model_dir, args))
     free(args.device)
     params = parameters(model_dir)
-    config = run_config(model_dir, write_task(work / "prompts.jsonl", args), weights_dir(work, 4 * params), args)
+    config = run_config(model_dir, write_task(work / "prompts.jsonl", args), weights_dir(work, 4 * params), work, args)
     with DeviceMemory(args.device) as memory:
         note = f"relax run, {args.steps} steps (output: {work / 'run.log'})"
         run_dir = phase("relax_run_s", note, lambda: relax_run(config, work, env, args.timeout_s))
