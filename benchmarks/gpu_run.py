@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_run.py --prepare [DIR]                     # here: gather what a bare GPU machine lacks
     python benchmarks/gpu_run.py [--shape 0.5b|1.5b] [--steps 8]     # there: build, baseline, run, report
-    python benchmarks/gpu_run.py --device cpu                        # a dry run of the same path (tiny, < 1 min)
+    python benchmarks/gpu_run.py --device cpu                        # the same path on the CPU (tiny, 2 steps)
 
 `--prepare` fills DIR (default benchmarks/gpu_bundle, git-ignored) with the wheels the roles import that a bare
 CUDA image (torch, transformers, peft, numpy, pyyaml, ...) does not hold, downloaded with
@@ -26,7 +26,8 @@ The run:
   launcher: embedded nats-server, every role a process) for `--steps` steps, under `--timeout-s`;
 - reads the run's `metrics.jsonl` (steps after the first: the first holds start-up) and reports step time,
   trained and generated tokens/s, the peak GPU memory of the device (all processes, polled) and the bus share of
-  the actor's step: weight snapshot/sync, acks, admission and decoding against `train_s`.
+  the actor's step: weight snapshot/sync, acks, admission and decoding against `step_s`. The checkpoints of steps
+  0 and last go to local disk under the work directory (not whole into the object store).
 Prints a table and writes JSON to benchmarks/results/gpu_run_<device>.json (`--out` to change it).
 """
 
@@ -453,7 +454,7 @@ def summarise(records: list[dict[str, float]], args: argparse.Namespace) -> dict
     rows = args.groups * args.samples
     response = mean("response/length_mean")
     step_s, train_s = mean("step_s"), mean("train_s")
-    decode = statistics.fmean(float(r.get("decode_s", 0.0)) * (1.0 - float(r.get("read_ahead", 0.0))) for r in steady)
+    decode = statistics.fmean(float(r.get("decode_s", 0.0)) if not r.get("read_ahead") else 0.0 for r in steady)
     bus_s = mean("weight_sync_s") + mean("ack_s") + mean("admit_s") + decode
     return {
         "steps_measured": float(len(steady)),
