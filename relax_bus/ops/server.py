@@ -21,12 +21,15 @@ from types import TracebackType
 
 from relax_bus.errors import NatsServerFailed, NatsServerNotFound
 from relax_bus.log import get_logger
+from relax_bus.settings import ConnectionSettings
 
 log = get_logger(__name__)
 
 
 def find_nats_server(explicit: str | Path | None = None) -> Path:
     """Locate the nats-server binary or raise NatsServerNotFound saying where it looked."""
+    if explicit is None:
+        explicit = ConnectionSettings().nats_server_bin  # RELAX_NATS_SERVER_BIN, for every caller
     if explicit is not None:
         path = Path(explicit)
         if path.is_file() and os.access(path, os.X_OK):

@@ -164,6 +164,8 @@ def test_binary_lookup_order(tmp_path, monkeypatch):
     beside.chmod(0o755)
     assert find_nats_server() == beside
     assert find_nats_server(fake) == fake
+    monkeypatch.setenv("RELAX_NATS_SERVER_BIN", str(fake))  # the setting wins for every caller (relax run too)
+    assert find_nats_server() == fake
 
 
 def test_relax_server_runs_until_sigterm(tmp_path):
