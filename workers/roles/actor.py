@@ -49,6 +49,7 @@ from workers.roles.actor_checkpoint import ActorCheckpoints, checkpoint_record, 
 from workers.roles.actor_media import ActorMedia
 from workers.roles.actor_state import ActorState
 from workers.roles.serve import RoleContext
+from workers.roles.stages import announce_stage
 from workers.roles.stale_groups import admit_fresh
 from workers.roles.step_samples import step_samples
 from workers.state_keys import GROUPS_DROPPED, TRAINER_DONE, TRAINER_STEP
@@ -100,6 +101,7 @@ async def serve(ctx: RoleContext) -> None:
     bus = ctx.connected
     cfg = bus.config
     _, size = world()
+    await announce_stage(bus, "actor", "loading model")
     # Only rank 0 builds a model from code (transformers saves nothing on other ranks); they wait at this
     # barrier, the first collective of every rank, and then read the finished directory.
     model_dir = await asyncio.to_thread(materialize, cfg.model.source, ctx.cache / "base", cfg.model.seed)
@@ -113,6 +115,7 @@ async def serve(ctx: RoleContext) -> None:
     async def body() -> None:
         try:
             await actor.setup(load_task(task_spec(cfg.task)))
+            await announce_stage(bus, "actor", "waiting for the first groups", version=actor.state.version)
             await actor.run(ctx.stop)
         finally:
             if isinstance(trainer, DrivenTrainer):
@@ -196,6 +199,8 @@ class Actor:
             def checked(fields: dict[str, float]) -> None:  # from the warm-up's thread: `relax run` sees progress
                 asyncio.run_coroutine_threadsafe(self._event("warmup_progress", **fields), loop)
 
+            if self.cfg.trainer.warmup.max_steps:
+                await announce_stage(self.bus, "actor", "warming up", max_steps=self.cfg.trainer.warmup.max_steps)
             info = await asyncio.to_thread(warm_up, self.trainer, warmup_items, checked)
             log.info("warmup_done", **info)
             await self._event("warmup_done", **info)
