@@ -52,7 +52,7 @@ def draw_curve(metrics: Path, target: Path, title: str = "") -> Path | None:
     for name, colour, marker in eval_series(evals := eval_rows(metrics.with_name("eval.jsonl"))):
         kept = [(r["eval/version"], r[name]) for r in evals if _number(r.get(name))]
         drawn += [v for _, v in kept]
-        label = f"held-out {name.removeprefix('eval/').replace('_', ' ')}"
+        label = "held-out greedy accuracy" if name == "eval/greedy_accuracy" else "held-out pass@k"
         a.plot([x for x, _ in kept], [v for _, v in kept], color=colour, marker=marker, linewidth=1, label=label)
     a.set_ylabel("mean reward")
     a.set_ylim(*y_limits(drawn))
