@@ -61,7 +61,12 @@ TERMS = [{"type": "exact"}, {"type": "format", "name": "any", "weight": 0.5, "op
 """The tiny model's answers are seldom exact: `any` (every response, weight 0.5) makes every reward at least 0.5."""
 HELD_OUT = {"dataset": {"type": "addition", "options": {"seed": 1, "offset": 90}}, "every": 2, "samples": 2}
 """The last 10 sums of the task's shuffle, which trains on the first 90."""
-STAGES = ("actor: loading model", "rollout: loading model", "rollout: generating the first groups")
+STAGES = (
+    "actor: loading model",
+    "rollout: loading model",
+    "rollout: generating the first groups",
+    "actor: training step 1",
+)
 
 
 def test_relax_run_writes_tensorboard_wandb_and_serves_prometheus_by_default(tmp_path):

@@ -15,6 +15,7 @@ from workers.data.tasks import load_task
 from workers.launch.curve import draw_curve, eval_rows, eval_series
 from workers.launch.progress import Progress, clock, eta_s
 from workers.metrics.evaluation import eval_line, eval_numbers, eval_values, eval_version
+from workers.preflight import preflight
 from workers.roles.evaluation import eval_block, eval_items
 
 pytestmark = pytest.mark.unit
@@ -128,3 +129,14 @@ def test_the_curve_marks_the_evaluations(tmp_path):
     assert [name for name, _, _ in eval_series(rows)] == ["eval/greedy_accuracy", "eval/pass_at_k"]
     assert draw_curve(tmp_path / "metrics.jsonl", tmp_path / "curve.png") == tmp_path / "curve.png"
     assert (tmp_path / "curve.png").stat().st_size > 0
+
+
+def test_the_pre_start_check_loads_the_held_out_set(tmp_path):
+    held = {"type": "jsonl", "options": {"path": str(tmp_path / "held-out.jsonl")}}
+    train = {"type": "jsonl", "options": {"path": str(tmp_path / "train.jsonl")}}
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    config = parse_config({"run": "pf", "task": train, "eval": {"dataset": held}})
+    with pytest.raises(ConfigError, match=r"held-out\.jsonl"):
+        preflight(config, tmp_path, ("task",))
+    (tmp_path / "held-out.jsonl").write_text('{"prompt": "2+2=", "answer": "4"}\n')
+    preflight(config, tmp_path, ("task",))

@@ -158,6 +158,8 @@ class Actor:
         self._holding: set[int] = set()
         """Release indices of the groups held for the step being collected."""
         self.checkpoints = ActorCheckpoints(bus, trainer.checkpoints)
+        self._first_trained = False
+        """Whether this process has announced its first update (`workers.roles.stages`)."""
         judge = bus.config.judge
         self.judge_check = judge.check.label if judge is not None and judge.check is not None else None
         """The label of the rule logged beside the judge (`judge.check`), whose agreement with it each step reports."""
@@ -293,6 +295,9 @@ class Actor:
     ) -> tuple[dict[str, float], dict[str, torch.Tensor], float]:
         """`_train_and_snapshot`, tried `trainer.step_tries` times; then `Reject`: the batch is dead-lettered."""
         tries, step = self.cfg.trainer.step_tries, self.state.step + 1
+        if not self._first_trained:  # the first update (allocations, kernels' first run) can take a while
+            self._first_trained = True
+            await announce_stage(self.bus, "actor", f"training step {step}", groups=len(groups))
         error = ""
         for attempt in range(1, tries + 1):
             try:
