@@ -429,3 +429,15 @@ def test_wandb_honours_the_environment_and_holds_the_run_config(tmp_path, monkey
     other = WandbSink(tmp_path / "other", "wb-env", config.metrics.wandb, WandbEnv(), run_config)
     other.close()
     assert other.run_id != first.run_id  # another run of the same name never writes into this one
+
+
+def test_an_unusable_wandb_variable_is_refused_with_its_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "dryrun")
+    with pytest.raises(ConfigError, match="WANDB_MODE"):
+        open_sinks(parse_config({"run": RUN}).metrics, tmp_path, RUN)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    (sink,) = open_sinks(parse_config({"run": RUN, "metrics": {"jsonl": False, "tensorboard": False}}).metrics,
+                         tmp_path, RUN)  # fmt: skip
+    feed(sink, [1, 2])
+    sink.close()
+    assert not list(tmp_path.rglob("offline-run-*"))  # disabled: no W&B files at all

@@ -38,7 +38,7 @@ from relax_bus.outage import OUTAGE_S
 from relax_bus.provision import provision_when_ready, sweep_hops
 from relax_bus.settings import ConnectionSettings, redacted
 from schemas import Metric, RunEvent
-from workers.config import MetricsLaunch, ShmWeights, WandbEnv
+from workers.config import MetricsLaunch, ShmWeights
 from workers.config import PipelineConfig as RunConfig
 from workers.launch.curve import draw_curve
 from workers.launch.embedded import RunServer, read_env_file, settings_from_env
@@ -46,7 +46,7 @@ from workers.launch.processes import RunProcesses, follow_events
 from workers.launch.progress import Progress
 from workers.metrics.evaluation import eval_line
 from workers.metrics.samples import jsonl_lines
-from workers.metrics.sinks import eval_json
+from workers.metrics.sinks import eval_json, wandb_env
 from workers.preflight import preflight
 from workers.roles.actor_checkpoint import checkpoint_record
 from workers.roles.metrics import eval_point
@@ -161,7 +161,7 @@ def metrics_sinks_line(config: RunConfig, launch: MetricsLaunch | None = None) -
     if m.tensorboard:
         parts.append(f"tensorboard --logdir {where / 'tensorboard'}")
     if m.wandb.enabled:
-        env = WandbEnv()  # the role inherits this environment: a WANDB_* variable set here wins there too
+        env = wandb_env()  # the role inherits this environment: a WANDB_* variable set here wins there too
         parts.append(f"W&B {env.mode or m.wandb.mode} {(Path(env.dir) if env.dir else where) / 'wandb'}")
     port = launch.prometheus_port if m.prometheus_port == "auto" and launch is not None else m.prometheus_port
     if port is not None:

@@ -30,6 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
+from relax_bus.errors import ConfigError
 from relax_bus.log import get_logger
 from schemas import Metric
 from workers.config import MetricsConfig, WandbConfig, WandbEnv
@@ -331,6 +334,15 @@ def wandb_run_id(path: Path, run: str) -> str:
     return drawn
 
 
+def wandb_env() -> WandbEnv:
+    """The `WANDB_*` variables of this process (`WandbEnv`); ConfigError listing every one that is not usable."""
+    try:
+        return WandbEnv()
+    except ValidationError as err:
+        problems = [f"WANDB_{str(e['loc'][0]).upper()}: {e['msg']}" for e in err.errors()]
+        raise ConfigError("WANDB_* environment", problems) from None
+
+
 def open_sinks(
     config: MetricsConfig, out_dir: Path, run: str, run_config: Mapping[str, Any] | None = None
 ) -> list[StepSink]:
@@ -343,5 +355,5 @@ def open_sinks(
     if config.tensorboard:
         sinks.append(TensorBoardSink(out_dir / "tensorboard"))
     if config.wandb.enabled:
-        sinks.append(WandbSink(out_dir, run, config.wandb, WandbEnv(), run_config))
+        sinks.append(WandbSink(out_dir, run, config.wandb, wandb_env(), run_config))
     return sinks
