@@ -45,10 +45,13 @@ def _model(config: PipelineConfig, work_dir: Path, found: Found) -> None:
 
 
 def _task(config: PipelineConfig, work_dir: Path, found: Found) -> None:
-    """The task loads (its dataset file is there and every row has the fields it needs)."""
+    """The task loads (its dataset file is there and every row has the fields it needs), and so does the held-out
+    set of an `eval` section, with one item at least."""
     from workers.data.tasks import load_task
 
     found["task"] = load_task(task_spec(config.task))
+    if config.eval is not None and not load_task(task_spec(config.eval.dataset)):
+        raise ValueError("eval.dataset holds no item")
 
 
 MEDIA_ITEMS = 8

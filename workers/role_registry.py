@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from workers.state_keys import (
+    EVAL_CLAIMED,
     FEEDER_CURSOR,
     GROUPS_DROPPED,
     GROUPS_FILTERED,
@@ -240,7 +241,13 @@ ROLES: tuple[RoleDef, ...] = (
         "rollout",
         input="prompts",
         output=lambda c: "rollouts",
-        grants=dict(reads_weights=True, watches_version=True, calls_env=True, records_episodes=True),
+        grants=dict(
+            reads_weights=True,
+            watches_version=True,
+            calls_env=True,
+            records_episodes=True,
+            state_keys=(EVAL_CLAIMED,),  # the held-out evaluation's claims (`workers.roles.evaluation`)
+        ),
         module="workers.roles.rollout",
         deploy=RoleDeploy(
             compose_extra="deploy:\n  mode: replicated\n  replicas: 2",

@@ -9,11 +9,13 @@ trainer.step         optimizer steps done
 trainer.checkpoint   JSON record of the latest checkpoint
 trainer.done         set once the run's last step is trained
 weights.broadcast    where the trainer's broadcast rendezvous listens (`weights: {type: broadcast}`)
+eval.claimed         blocks of `eval.every` policy versions whose held-out evaluation a rollout worker has claimed
 """
 
 from relax_bus.staleness import POLICY_VERSION
 
 __all__ = [
+    "EVAL_CLAIMED",
     "FEEDER_CURSOR",
     "GROUPS_DROPPED",
     "GROUPS_FILTERED",
@@ -31,3 +33,4 @@ TRAINER_STEP = "trainer.step"
 TRAINER_CHECKPOINT = "trainer.checkpoint"
 TRAINER_DONE = "trainer.done"
 WEIGHTS_BROADCAST = "weights.broadcast"
+EVAL_CLAIMED = "eval.claimed"

@@ -148,7 +148,8 @@ def test_permissions_follow_the_topology():
     assert "$JS.API.CONSUMER.RESET.RELAX_r1_TRAIN.actor" in actor.publish
     assert not any("RESET" in p for p in rollout.publish)
     assert "$KV.relax_r1_state.policy.version" in actor.publish
-    assert not any(p.startswith("$KV.relax_r1_state.") for p in rollout.publish)
+    # Of the run state, the rollout writes only the held-out evaluation's claims (`workers.roles.evaluation`).
+    assert [p for p in rollout.publish if p.startswith("$KV.relax_r1_state.")] == ["$KV.relax_r1_state.eval.claimed"]
     assert "$O.relax_r1_weights.>" in actor.publish and "$O.relax_r1_weights.>" not in rollout.publish
     for role in ("feeder", "rollout", "reward", "reference", "actor", "observer"):
         p = permissions(t, role)

@@ -1,6 +1,6 @@
 """The metrics role against a real server: it follows the run's events from its durable consumer, and a
-role that died (before or after acknowledging) and started again leaves every step (and its logged samples) in its
-sinks once."""
+role that died (before or after acknowledging) and started again leaves every step (and its logged samples, and each
+held-out evaluation) in its sinks once."""
 
 from __future__ import annotations
 
@@ -36,6 +36,18 @@ async def publish_steps(bus, steps) -> None:
         point = Metric(run=bus.run, step=step, values={"reward_mean": step / 100}, samples=logged)
         await bus.publish("events", point)
         await bus.publish("events", RunEvent(run=bus.run, event="step_trained", fields={"step": step}))
+        if step % 5 == 0:  # a held-out evaluation of version `step` (`eval.every: 5`)
+            await bus.publish("events", evaluation(bus, step))
+
+
+def evaluation(bus, version: int) -> RunEvent:
+    fields = {"eval/version": version, "eval/greedy_accuracy": version / 100, "eval/pass_at_k": 0.5}
+    return RunEvent(run=bus.run, event="eval", source="rollout", fields=fields)
+
+
+def eval_versions(out: Path) -> list[int]:
+    path = out / "eval.jsonl"
+    return [json.loads(line)["eval/version"] for line in path.read_text().splitlines()] if path.is_file() else []
 
 
 def jsonl_steps(out: Path, name: str = "metrics.jsonl") -> list[int]:
@@ -91,6 +103,7 @@ async def test_a_killed_and_restarted_metrics_role_writes_every_step_once(make_b
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         await publish_steps(bus, range(16, 26))  # while it is down
+        await bus.publish("events", evaluation(bus, 20))  # the same evaluation again (a worker published it twice)
         proc = start_role(bus, url, tmp_path / "work")
         await until(lambda: jsonl_steps(out), lambda s: s and s[-1] == 25, 120, "steps up to 25")
         consumer = bus.topology.consumer("events")
@@ -108,8 +121,11 @@ async def test_a_killed_and_restarted_metrics_role_writes_every_step_once(make_b
     assert jsonl_steps(out, "samples.jsonl") == [s for s in range(1, 26) for _ in range(2)]  # each step's once
     series = tensorboard_series(out / "tensorboard", "reward_mean")
     assert [s for s, _ in series] == list(range(1, 26))
+    assert eval_versions(out) == [5, 10, 15, 20, 25]  # each evaluation once, through two kills and a duplicate
+    evals = sorted(tensorboard_series(out / "tensorboard" / "eval", "eval/greedy_accuracy"))
+    assert [s for s, _ in evals] == [5, 10, 15, 20, 25]
     # The events stream is limits-retention: the role's reading took nothing away from it.
-    assert (await bus.js.stream_info(stream)).state.messages == 50
+    assert (await bus.js.stream_info(stream)).state.messages == 50 + 5 + 1
 
 
 async def test_the_role_serves_prometheus_gauges_of_the_run(make_bus, tmp_path):

@@ -2,7 +2,9 @@
 offline W&B run with the reward of every step, next to the metrics.jsonl and summary.json it has always
 had, and the run serves Prometheus gauges on the port it prints. Each step carries its reward's terms, its
 responses' lengths and truncation and the policy's namespaced figures, and a few samples go to samples.jsonl
-(clipped), TensorBoard text and a W&B table."""
+(clipped), TensorBoard text and a W&B table. A held-out set is evaluated every 2 policy versions (`eval/*` in
+eval.jsonl, TensorBoard and W&B, a line each on the terminal), the roles' start-up stages are printed before the first
+step, and the progress line ends with the steps' rate and the time left."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from tests.workers.test_metrics_sinks import (
     tensorboard_texts,
     wandb_history_when,
     wandb_points_when,
+    wandb_run_record,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
@@ -56,11 +59,20 @@ NEW_KEYS = (
 """What each step of this run reports beside the existing names: two reward terms (`exact`, `any`)."""
 TERMS = [{"type": "exact"}, {"type": "format", "name": "any", "weight": 0.5, "options": {"pattern": "(?s).*"}}]
 """The tiny model's answers are seldom exact: `any` (every response, weight 0.5) makes every reward at least 0.5."""
+HELD_OUT = {"dataset": {"type": "addition", "options": {"seed": 1, "offset": 90}}, "every": 2, "samples": 2}
+"""The last 10 sums of the task's shuffle, which trains on the first 90."""
+STAGES = (
+    "actor: loading model",
+    "rollout: loading model",
+    "rollout: generating the first groups",
+    "actor: training step 1",
+)
 
 
 def test_relax_run_writes_tensorboard_wandb_and_serves_prometheus_by_default(tmp_path):
     samples = {"samples_per_step": 3, "sample_text_bytes": 16}
-    run = RelaxRun(tmp_path, trainer={"steps": 6}, rewards=TERMS, metrics=samples)
+    task = {"options": {"limit": 90}}
+    run = RelaxRun(tmp_path, trainer={"steps": 6}, rewards=TERMS, metrics=samples, task=task, eval=HELD_OUT)
     try:
         seen = _follow_prometheus(run)
         code = run.wait_exit(timeout_s=360)
@@ -94,7 +106,35 @@ def test_relax_run_writes_tensorboard_wandb_and_serves_prometheus_by_default(tmp
         )
     assert [len({e["group_id"] for e in logged if e["step"] == s}) for s in steps] == [3] * 6  # one per group
     assert [s for s, _ in tensorboard_texts(run.run_dir / "tensorboard", "samples")] == steps
-    assert [h["samples/nrows"] for h in wandb_history_when(run.run_dir / "wandb", len(steps))] == [3] * 6
+    history = [h for h in wandb_history_when(run.run_dir / "wandb", len(steps)) if "reward_mean" in h]
+    assert [h["samples/nrows"] for h in history] == [3] * 6
+    _check_eval(run)
+    (record, *_) = wandb_run_record(run.run_dir / "wandb")
+    stored = {u.key: json.loads(u.value_json) for u in record.run.config.update}
+    assert stored["eval"] == run.config.model_dump(mode="json")["eval"] and stored["run"] == run.config.run
+    assert re.fullmatch(rf"{run.config.run}-[0-9a-f]{{8}}", record.run.run_id), record.run.run_id
+    for stage in STAGES:  # printed before the first step's line
+        assert re.search(rf"\] {stage}.*\n(.*\n)*.*step 1/6", run.output), run.output
+    assert re.search(r"step 6/6 .* steps/min  ETA 0s", run.output), run.output
     assert (run.run_dir / "reward_curve.png").stat().st_size > 0
     summary = json.loads((run.run_dir / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["metrics"] == str((run.run_dir / "metrics.jsonl").resolve()), summary
+
+
+def _check_eval(run: RelaxRun) -> None:
+    """eval.jsonl holds each evaluated version once, at most one per block of 2 versions, v0 first (the first batch
+    is generated with v0, and the rollout evaluates before its next one); the terminal and the summary show them."""
+    rows = [json.loads(line) for line in (run.run_dir / "eval.jsonl").read_text().splitlines()]
+    versions = [int(r["eval/version"]) for r in rows]
+    assert versions and versions[0] == 0 and versions == sorted(set(versions)), versions
+    assert len({v // 2 for v in versions}) == len(versions), versions  # one per block
+    for row in rows:
+        assert row["eval/items"] == 10 and 0 <= row["eval/greedy_accuracy"] <= row["eval/greedy_reward"] <= 1.5
+        assert 0.5 <= row["eval/reward_mean"] <= 1.5, row  # the `any` term gives every answer 0.5
+        assert row["eval/accuracy"] <= row["eval/pass_at_k"] <= 1, row
+    series = sorted(tensorboard_series(run.run_dir / "tensorboard" / "eval", "eval/pass_at_k"))
+    assert [s for s, _ in series] == versions
+    shown = re.findall(r"^eval v(\d+): greedy [0-9.]+  pass@2 [0-9.]+  reward [0-9.]+ \(10 items\)$", run.output, re.M)
+    assert [int(v) for v in shown] == versions, run.output
+    summary = json.loads((run.run_dir / "summary.json").read_text())
+    assert summary["eval"]["evaluations"] == len(versions) and summary["eval"]["first"]["eval/version"] == 0

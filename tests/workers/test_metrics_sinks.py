@@ -17,11 +17,11 @@ from wandb.proto.wandb_internal_pb2 import Record
 
 from relax_bus.errors import ConfigError
 from schemas import Metric, RunEvent, StepSample
-from workers.config import MetricsLaunch, parse_config
+from workers.config import MetricsLaunch, WandbConfig, WandbEnv, parse_config
 from workers.launch.launcher import metrics_launch, metrics_sinks_line
 from workers.metrics.prometheus import PrometheusSink
 from workers.metrics.samples import TABLE_COLUMNS
-from workers.metrics.sinks import JsonlSink, SamplesSink, TensorBoardSink, WandbSink, open_sinks
+from workers.metrics.sinks import EvalPoint, JsonlSink, SamplesSink, TensorBoardSink, WandbSink, open_sinks
 from workers.roles.metrics import metrics_dir, prometheus_port
 
 pytestmark = pytest.mark.unit
@@ -48,6 +48,11 @@ def with_samples(step: int, count: int = 2) -> Metric:
     """A step with `count` logged samples, and values a step may leave uncomputed (NaN) under namespaced names."""
     values = {"reward_mean": step / 10, "reward/correct/mean": 1.0, "policy/neg_logprob_mean": math.nan}
     return Metric(run=RUN, step=step, values=values, samples=tuple(logged(step, i) for i in range(count)))
+
+
+def wandb_sink(out_dir: Path, run: str, **env: str) -> WandbSink:
+    """An offline W&B sink with the default `metrics.wandb`, under no `WANDB_*` variable but `env`."""
+    return WandbSink(out_dir, run, WandbConfig(), WandbEnv.model_construct(**env), {"run": run})
 
 
 def feed(sink, steps) -> int:
@@ -98,7 +103,7 @@ def test_samples_jsonl_writes_each_step_once_across_a_restart(tmp_path):
 
 def test_nan_values_and_namespaced_names_go_through_every_file_sink(tmp_path):
     sinks = [JsonlSink(tmp_path / "metrics.jsonl"), TensorBoardSink(tmp_path / "tensorboard")]
-    sinks.append(WandbSink(tmp_path, "nan-sinks", "offline", "relax", None))
+    sinks.append(wandb_sink(tmp_path, "nan-sinks"))
     try:
         for sink in sinks:
             assert sink.write([with_samples(1)]) == 1
@@ -198,7 +203,9 @@ def wandb_history_when(wandb_dir: Path, count: int, timeout_s: float = 30.0) -> 
 
 
 def wandb_points(wandb_dir: Path) -> list[tuple[int, float]]:
-    return [(int(h["_step"]), float(h["reward_mean"])) for h in wandb_history(wandb_dir)]  # type: ignore[arg-type]
+    """(step, reward_mean) of each step's record (an evaluation's record has no reward_mean)."""
+    steps = [h for h in wandb_history(wandb_dir) if "reward_mean" in h]
+    return [(int(h["_step"]), float(h["reward_mean"])) for h in steps]  # type: ignore[arg-type]
 
 
 def wandb_points_when(wandb_dir: Path, count: int, timeout_s: float = 30.0) -> list[tuple[int, float]]:
@@ -211,10 +218,10 @@ def wandb_points_when(wandb_dir: Path, count: int, timeout_s: float = 30.0) -> l
 
 
 def test_wandb_offline_run_holds_each_step_once_across_a_restart(tmp_path):
-    first = WandbSink(tmp_path, RUN, "offline", "relax", None)
+    first = wandb_sink(tmp_path, RUN)
     feed(first, range(1, 6))
     first.close()
-    again = WandbSink(tmp_path, RUN, "offline", "relax", None)
+    again = wandb_sink(tmp_path, RUN)
     assert again.last_step == 5
     feed(again, range(3, 9))
     again.close()
@@ -225,8 +232,8 @@ def test_wandb_offline_run_holds_each_step_once_across_a_restart(tmp_path):
 
 def test_a_wandb_sink_never_takes_over_a_run_still_open_in_the_process(tmp_path):
     """wandb.init's default hands back an unfinished run of the same process: each sink must get its own."""
-    left_open = WandbSink(tmp_path / "a", "open", "offline", "relax", None)
-    mine = WandbSink(tmp_path / "b", RUN, "offline", "relax", None)
+    left_open = wandb_sink(tmp_path / "a", "open")
+    mine = wandb_sink(tmp_path / "b", RUN)
     try:
         feed(mine, range(1, 4))
     finally:
@@ -333,3 +340,104 @@ def test_what_a_launch_resolves_reaches_the_role_not_the_stored_config(tmp_path,
     monkeypatch.delenv("RELAX_METRICS_DIR")
     assert prometheus_port(config.metrics, MetricsLaunch()) == 0
     assert metrics_dir(config.metrics, tmp_path / "cache", MetricsLaunch()) == tmp_path / "cache" / "metrics"
+
+
+def evaluation(version: int, accuracy: float = 0.5) -> EvalPoint:
+    values = {"eval/greedy_accuracy": accuracy, "eval/pass_at_k": 0.75, "eval/version": float(version)}
+    return EvalPoint(version, 1000.0 + version, values)
+
+
+def feed_evals(sink, versions) -> int:
+    written = sink.write_evals(evaluation(v, v / 100) for v in versions)
+    sink.flush()
+    return written
+
+
+def test_jsonl_writes_each_evaluation_once_across_a_restart(tmp_path):
+    first = JsonlSink(tmp_path / "metrics.jsonl")
+    assert feed_evals(first, [0, 10, 10, 20]) == 3  # the same version twice (a redelivered event) is written once
+    first.close()
+    again = JsonlSink(tmp_path / "metrics.jsonl")
+    assert again.last_eval == 20 and again.last_step == -1  # evaluations are not steps
+    assert feed_evals(again, [10, 20, 30]) == 1
+    again.close()
+    rows = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [r["eval/version"] for r in rows] == [0, 10, 20, 30]
+    assert rows[-1]["eval/greedy_accuracy"] == pytest.approx(0.3) and rows[-1]["at"] == 1030.0
+    assert not (tmp_path / "metrics.jsonl").read_text()
+
+
+def test_tensorboard_evaluations_are_at_their_version_and_apart_from_the_steps(tmp_path):
+    first = TensorBoardSink(tmp_path)
+    feed(first, [1, 2, 3])
+    feed_evals(first, [0, 10, 20])
+    first.close()
+    again = TensorBoardSink(tmp_path)
+    assert (again.last_step, again.last_eval) == (3, 20)  # the versions never pass for steps
+    assert feed_evals(again, [20, 30]) == 1
+    again.close()
+    series = sorted(tensorboard_series(tmp_path / "eval", "eval/greedy_accuracy"))  # two files: in either order
+    assert [s for s, _ in series] == [0, 10, 20, 30]
+    assert [v for _, v in series] == pytest.approx([0.0, 0.1, 0.2, 0.3])
+
+
+def wandb_run_record(wandb_dir: Path) -> list[Record]:
+    """The `run` records (id, project, group, config) of the offline runs under `wandb_dir`."""
+    out = []
+    for path in sorted(wandb_dir.glob("offline-run-*/run-*.wandb")):
+        out += [r for r in wandb_records(path) if r.WhichOneof("record_type") == "run"]
+    return out
+
+
+def test_wandb_honours_the_environment_and_holds_the_run_config(tmp_path, monkeypatch):
+    """WANDB_DIR, WANDB_PROJECT, WANDB_RUN_GROUP, WANDB_TAGS and WANDB_MODE win over `metrics.wandb`; the offline run
+    holds the whole run config and a run id of its own, kept across a restart of the role."""
+    elsewhere = tmp_path / "wandb-dir"
+    for name, value in {
+        "WANDB_DIR": str(elsewhere),
+        "WANDB_PROJECT": "from-env",
+        "WANDB_RUN_GROUP": "sweep-1",
+        "WANDB_TAGS": "a, b",
+        "WANDB_MODE": "offline",
+    }.items():
+        monkeypatch.setenv(name, value)
+    config = parse_config({"run": "wb-env", "metrics": {"wandb": {"mode": "online", "project": "from-config"}}})
+    run_config = config.model_dump(mode="json")
+    (first,) = open_sinks(config.metrics.model_copy(update={"jsonl": False, "tensorboard": False}), tmp_path, "wb-env",
+                          run_config)  # fmt: skip
+    assert isinstance(first, WandbSink) and re.fullmatch(r"wb-env-[0-9a-f]{8}", first.run_id), first.run_id
+    feed(first, [1, 2])
+    feed_evals(first, [0, 0])
+    first.close()
+    again = WandbSink(tmp_path, "wb-env", config.metrics.wandb, WandbEnv(), run_config)
+    assert (again.run_id, again.last_step, again.last_eval) == (first.run_id, 2, 0)
+    feed_evals(again, [0, 10])
+    again.close()
+    assert not list((tmp_path / "wandb").glob("offline-run-*"))  # the files went to WANDB_DIR: only markers here
+    deadline = time.monotonic() + 30  # wandb's service writes the files on its own time (`wandb_points_when`)
+    while len(records := wandb_run_record(elsewhere / "wandb")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)  # poll; asserted below
+    assert len(records) == 2, records  # one per start of the role, both of the same run
+    for record in records:
+        run = record.run
+        assert (run.run_id, run.project, run.run_group) == (first.run_id, "from-env", "sweep-1")
+        assert list(run.tags) == ["a", "b"]
+        stored = {u.key: json.loads(u.value_json) for u in run.config.update}
+        assert {k: stored[k] for k in run_config} == run_config  # the whole run config, as the run has it
+    history = [h for h in wandb_history_when(elsewhere / "wandb", 3) if "eval/version" in h]
+    assert [h["eval/version"] for h in history] == [0, 10]  # each evaluated version once
+    other = WandbSink(tmp_path / "other", "wb-env", config.metrics.wandb, WandbEnv(), run_config)
+    other.close()
+    assert other.run_id != first.run_id  # another run of the same name never writes into this one
+
+
+def test_an_unusable_wandb_variable_is_refused_with_its_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "dryrun")
+    with pytest.raises(ConfigError, match="WANDB_MODE"):
+        open_sinks(parse_config({"run": RUN}).metrics, tmp_path, RUN)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    (sink,) = open_sinks(parse_config({"run": RUN, "metrics": {"jsonl": False, "tensorboard": False}}).metrics,
+                         tmp_path, RUN)  # fmt: skip
+    feed(sink, [1, 2])
+    sink.close()
+    assert not list(tmp_path.rglob("offline-run-*"))  # disabled: no W&B files at all

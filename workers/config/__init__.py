@@ -26,8 +26,9 @@ from relax_bus.overrides import load_with_overrides
 from relax_bus.settings import RunConfig, parse_run_config
 from workers.config.agent import AgentConfig, EnvSpec
 from workers.config.base import Section
+from workers.config.evaluation import EvalConfig
 from workers.config.judge import JudgeConfig
-from workers.config.metrics import MetricsConfig, MetricsLaunch, WandbConfig
+from workers.config.metrics import MetricsConfig, MetricsLaunch, WandbConfig, WandbEnv
 from workers.config.model_source import (
     DirSource,
     HfSource,
@@ -90,6 +91,7 @@ __all__ = [
     "DrGrpoAdvantage",
     "EngineConfig",
     "EnvSpec",
+    "EvalConfig",
     "ExactReward",
     "FilesystemWeights",
     "FormatOptions",
@@ -132,6 +134,7 @@ __all__ = [
     "TrainerConfig",
     "VllmEngineConfig",
     "WandbConfig",
+    "WandbEnv",
     "WarmupConfig",
     "WeightsConfig",
     "load_config",
@@ -245,6 +248,8 @@ class PipelineConfig(RunConfig):
     teacher: TeacherConfig | None = None
     """On-policy distillation: the `teacher` role scores every sampled token with a teacher model, and the trainer
     takes log p_teacher - log p_sampling as a per-token advantage (docs/algorithms.md); null: no teacher."""
+    eval: EvalConfig | None = None
+    """Held-out evaluation every few policy versions, logged as `eval/*` (docs/metrics.md); null: none."""
 
     @property
     def reference(self) -> bool:
@@ -290,6 +295,7 @@ class PipelineConfig(RunConfig):
                 f"trainer.moe.routing_replay r3 with rollout.partial {self.rollout.partial}: a continued response's "
                 "prefix was routed under older weights than the rest, and routing spans are not recorded; turn one off"
             )
+        problems += eval_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -328,6 +334,24 @@ class PipelineConfig(RunConfig):
         object.__setattr__(self, "chain", chain)
         object.__setattr__(self, "hops", hops)
         return self
+
+
+def eval_problems(config: PipelineConfig) -> list[str]:
+    """What makes the `eval` section unusable with the rest of the run (empty without one)."""
+    e = config.eval
+    if e is None:
+        return []
+    problems = []
+    if e.dataset.type != config.task.type:
+        problems.append(
+            f"eval.dataset is a {e.dataset.type} task but the run trains on a {config.task.type} task: the held-out "
+            "set must be of the training task's type (it is scored with the same rewards)"
+        )
+    if config.agent is not None:
+        problems.append("eval with agent episodes: the held-out set is answered in one turn; leave eval out")
+    if config.model.source.type == "tiny-omni":
+        problems.append("eval of a multimodal policy (tiny-omni) is not supported yet; leave eval out")
+    return problems
 
 
 def parse_config(data: dict[str, Any], source: str = "<config>") -> PipelineConfig:

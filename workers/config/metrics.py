@@ -17,13 +17,41 @@ class WandbConfig(Section):
 
     enabled: bool = True
     """Write the run's metrics with the `wandb` library (offline unless `mode: online`: no network needed)."""
-    mode: Literal["offline", "online"] = "offline"
+    mode: Literal["offline", "online", "disabled"] = "offline"
     """`offline`: a run directory under `<dir>/wandb` to upload later with `wandb sync`; `online`: stream to the
-    W&B service (its API key comes from wandb's own login, never from the run config)."""
+    W&B service (its API key comes from wandb's own login, never from the run config); `disabled`: nothing is
+    written. `WANDB_MODE`, when set, wins (`WandbEnv`)."""
     project: str = Field(default="relax", min_length=1)
-    """W&B project name."""
+    """W&B project name (`WANDB_PROJECT`, when set, wins)."""
     entity: str | None = None
-    """W&B team or user; null: the login's default."""
+    """W&B team or user; null: the login's default (`WANDB_ENTITY`, when set, wins)."""
+
+
+class WandbEnv(BaseSettings):
+    """The `WANDB_*` variables of the metrics role's environment that steer its W&B run; each one set wins over the
+    run config's `metrics.wandb`. Unset: the config's value (and for `dir`, the metrics directory). The variables
+    wandb reads by itself (`WANDB_API_KEY`, `WANDB_BASE_URL`, ...) are left to it."""
+
+    model_config = SettingsConfigDict(env_prefix="WANDB_", extra="ignore", frozen=True)
+
+    mode: Literal["offline", "online", "disabled"] | None = None
+    """`WANDB_MODE`: offline, online or disabled."""
+    project: str | None = Field(default=None, min_length=1)
+    """`WANDB_PROJECT`: the project."""
+    entity: str | None = Field(default=None, min_length=1)
+    """`WANDB_ENTITY`: the team or user."""
+    dir: str | None = Field(default=None, min_length=1)
+    """`WANDB_DIR`: where wandb writes its `wandb/` directory (its offline runs); unset: the metrics directory."""
+    name: str | None = Field(default=None, min_length=1)
+    """`WANDB_NAME`: the run's display name; unset: the run's name."""
+    run_id: str | None = Field(default=None, min_length=1, max_length=128)
+    """`WANDB_RUN_ID`: the W&B run id; unset: `<run>-<8 hex digits>`, drawn once and kept in the metrics directory."""
+    run_group: str | None = Field(default=None, min_length=1)
+    """`WANDB_RUN_GROUP`: the group the run belongs to."""
+    tags: str | None = None
+    """`WANDB_TAGS`: comma-separated tags."""
+    notes: str | None = None
+    """`WANDB_NOTES`: a description of the run."""
 
 
 class MetricsConfig(Section):

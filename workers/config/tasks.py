@@ -16,8 +16,11 @@ class AdditionOptions(Section):
     """Shuffle the problems with this seed (None: in order)."""
     digits: int = Field(default=1, ge=1, le=3)
     """Digits of each operand (100 problems for 1, 10,000 for 2)."""
+    offset: int = Field(default=0, ge=0)
+    """Skip the first `offset` problems (after shuffling): with the same seed, a held-out set past a training
+    task's `limit` shares no problem with it."""
     limit: int | None = Field(default=None, ge=1)
-    """Keep only the first `limit` problems."""
+    """Keep only the first `limit` problems (after `offset`)."""
     template: str = "{a}+{b}="
     """The prompt, `{a}` and `{b}` standing for the operands (an instruct model wants words:
     "What is {a}+{b}? Answer with just the number.")."""

@@ -45,9 +45,10 @@ def prompt_text(parts: Iterable[Part], sep: str = "") -> str:
 
 
 def addition(
-    seed: int | None = None, digits: int = 1, limit: int | None = None, template: str = "{a}+{b}="
+    seed: int | None = None, digits: int = 1, limit: int | None = None, template: str = "{a}+{b}=", offset: int = 0
 ) -> list[TaskItem]:
-    """Every `a+b=` with a, b of `digits` digits (100 problems for one digit); shuffled when `seed` is set.
+    """Every `a+b=` with a, b of `digits` digits (100 problems for one digit); shuffled when `seed` is set, then the
+    first `offset` skipped and `limit` kept: `offset=80` after `limit=80` (same seed) is a disjoint held-out set.
 
     `template` words the prompt (`{a}` and `{b}` are the operands), e.g. for an instruct model
     "What is {a}+{b}? Answer with just the number."."""
@@ -62,7 +63,9 @@ def addition(
     pairs = [(a, b) for a in range(top) for b in range(top)]
     if seed is not None:
         random.Random(seed).shuffle(pairs)
-    pairs = pairs[:limit]
+    if offset >= len(pairs):
+        raise ValueError(f"addition: offset {offset} skips every one of the {len(pairs)} problems")
+    pairs = pairs[offset:][:limit]
     return [_text_item(template.format(a=a, b=b), str(a + b), "addition", i) for i, (a, b) in enumerate(pairs)]
 
 

@@ -3,7 +3,9 @@
 A run with media prompts also logs `reward/<modality>` (image, audio, video, text, omni); each gets a curve of
 its own (a moving average over 20 steps: a step holds only a few groups of each modality). A reward of several
 terms (`reward/<term>/mean`, two or more of them) gets a dashed line per term (moving average 5). The y-axis
-follows what is drawn (`y_limits`): [0, 1] widened to every value, so a reward of 1.5 or a negative penalty shows."""
+follows what is drawn (`y_limits`): [0, 1] widened to every value, so a reward of 1.5 or a negative penalty shows.
+A run with a held-out evaluation (`eval.jsonl` beside metrics.jsonl) gets its greedy accuracy and pass@k as markers
+on the step panel, at the policy version evaluated (version v: the weights after v optimizer steps)."""
 
 from __future__ import annotations
 
@@ -47,6 +49,11 @@ def draw_curve(metrics: Path, target: Path, title: str = "") -> Path | None:
         style = {"color": line.colour, "linestyle": line.style, "linewidth": 1.5}
         a.plot([s for s, _, _ in kept], values, **style, label=f"{line.name} (moving average {line.window})")
         b.plot([w for _, w, _ in kept], values, **style)
+    for name, colour, marker in eval_series(evals := eval_rows(metrics.with_name("eval.jsonl"))):
+        kept = [(r["eval/version"], r[name]) for r in evals if _number(r.get(name))]
+        drawn += [v for _, v in kept]
+        label = "held-out greedy accuracy" if name == "eval/greedy_accuracy" else "held-out pass@k"
+        a.plot([x for x, _ in kept], [v for _, v in kept], color=colour, marker=marker, linewidth=1, label=label)
     a.set_ylabel("mean reward")
     a.set_ylim(*y_limits(drawn))
     a.legend(loc="best", fontsize=8, framealpha=0.8)
@@ -75,6 +82,28 @@ def extra_lines(rows: list[dict[str, float]]) -> list[Line]:
     if len(terms) > 1:
         lines += [Line(f"reward/{t}/mean", 5, f"C{i % 10}", "--") for i, t in enumerate(terms)]
     return lines
+
+
+def eval_series(rows: list[dict[str, float]]) -> list[tuple[str, str, str]]:
+    """The held-out values drawn (name, colour, marker): greedy accuracy and pass@k, those the evaluations hold."""
+    names = {k for r in rows for k in r}
+    drawn = (("eval/greedy_accuracy", "#d62728", "o"), ("eval/pass_at_k", "#ff7f0e", "s"))
+    return [line for line in drawn if line[0] in names]
+
+
+def eval_rows(path: Path) -> list[dict[str, float]]:
+    """The evaluations of an eval.jsonl that carry a numeric `eval/version`, in version order (empty: none)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a torn line draws nothing
+        if isinstance(row, dict) and _number(row.get("eval/version")):
+            rows.append(row)
+    return sorted(rows, key=lambda r: r["eval/version"])
 
 
 def y_limits(values: Iterable[float], margin: float = MARGIN) -> tuple[float, float]:

@@ -44,10 +44,14 @@ from workers.launch.curve import draw_curve
 from workers.launch.embedded import RunServer, read_env_file, settings_from_env
 from workers.launch.processes import RunProcesses, follow_events
 from workers.launch.progress import Progress
+from workers.metrics.evaluation import eval_line
 from workers.metrics.samples import jsonl_lines
+from workers.metrics.sinks import eval_json, wandb_env
 from workers.preflight import preflight
 from workers.roles.actor_checkpoint import checkpoint_record
+from workers.roles.metrics import eval_point
 from workers.roles.serve import SANDBOX_HIDES
+from workers.roles.stages import STAGE_EVENT
 from workers.state_keys import TRAINER_STEP
 from workers.weights import SharedMemoryTransport
 
@@ -157,7 +161,8 @@ def metrics_sinks_line(config: RunConfig, launch: MetricsLaunch | None = None) -
     if m.tensorboard:
         parts.append(f"tensorboard --logdir {where / 'tensorboard'}")
     if m.wandb.enabled:
-        parts.append(f"W&B {m.wandb.mode} {where / 'wandb'}")
+        env = wandb_env()  # the role inherits this environment: a WANDB_* variable set here wins there too
+        parts.append(f"W&B {env.mode or m.wandb.mode} {(Path(env.dir) if env.dir else where) / 'wandb'}")
     port = launch.prometheus_port if m.prometheus_port == "auto" and launch is not None else m.prometheus_port
     if port is not None:
         parts.append(f"Prometheus http://{m.prometheus_host}:{port}/metrics")
@@ -260,9 +265,13 @@ class Watch:
 async def _follow(bus: Bus, config: RunConfig, watch: Watch, run_dir: Path, out: IO[str]) -> dict[str, Any]:
     # The metrics role writes metrics.jsonl; without it (or its jsonl sink) the launcher does.
     metrics_file = open(run_dir / "metrics.jsonl", "w") if _launcher_writes_jsonl(config) else None  # noqa: SIM115
-    samples_file = None
+    samples_file = eval_file = None
     if metrics_file is not None and config.metrics.samples_per_step:  # and samples.jsonl beside it
         samples_file = open(run_dir / "samples.jsonl", "w", encoding="utf-8")  # noqa: SIM115
+    if metrics_file is not None and config.eval is not None:  # and eval.jsonl
+        eval_file = open(run_dir / "eval.jsonl", "w")  # noqa: SIM115
+    evaluated: dict[int, dict[str, float]] = {}
+    """The values of each policy version evaluated on the held-out set (the first event of a version)."""
     progress = Progress(config.trainer.steps, out)
     rewards: dict[int, float] = {}
     """The reward of each step seen (NaN: the step's metric has none)."""
@@ -284,6 +293,14 @@ async def _follow(bus: Bus, config: RunConfig, watch: Watch, run_dir: Path, out:
                     rewards[event.step] = event.values.get("reward_mean", math.nan)
                     processes.progressed()
                     progress.update(event.step, event.values, await _depths(bus))
+                elif (point := eval_point(event)) is not None and point.version not in evaluated:
+                    evaluated[point.version] = point.values
+                    if eval_file is not None:
+                        eval_file.write(eval_json(point) + "\n")
+                        eval_file.flush()
+                    progress.note(eval_line(point.values))
+                elif isinstance(event, RunEvent) and event.event == STAGE_EVENT:
+                    progress.stage(event.source or "?", str(event.fields.get("stage", "?")))
                 elif isinstance(event, RunEvent) and event.event in WARMUP_EVENTS:
                     processes.progressed()  # a warm-up that advances is a run that advances
                     if event.event == "warmup_done":
@@ -296,7 +313,7 @@ async def _follow(bus: Bus, config: RunConfig, watch: Watch, run_dir: Path, out:
                     if len(rewards) >= config.trainer.steps or time.monotonic() - ended_at > DRAIN_S:
                         break
     finally:
-        for file in (metrics_file, samples_file):
+        for file in (metrics_file, samples_file, eval_file):
             if file is not None:
                 file.close()
         progress.close()
@@ -310,7 +327,16 @@ async def _follow(bus: Bus, config: RunConfig, watch: Watch, run_dir: Path, out:
         "reward_end": round(sum(tail) / len(tail), 3) if tail else None,
         "restarts": {r.label: r.restarts for r in processes.roles if r.restarts},
         "metrics": str(metrics_jsonl(config, run_dir)),
+        "eval": eval_summary(evaluated),
     }
+
+
+def eval_summary(evaluated: dict[int, dict[str, float]]) -> dict[str, Any] | None:
+    """The held-out evaluations in the summary: how many, and the first and last one's values (None: none)."""
+    if not evaluated:
+        return None
+    first, last = min(evaluated), max(evaluated)
+    return {"evaluations": len(evaluated), "first": evaluated[first], "last": evaluated[last]}
 
 
 WARMUP_EVENTS = frozenset({"warmup_progress", "warmup_done"})

@@ -49,6 +49,7 @@ from workers.roles.actor_checkpoint import ActorCheckpoints, checkpoint_record, 
 from workers.roles.actor_media import ActorMedia
 from workers.roles.actor_state import ActorState
 from workers.roles.serve import RoleContext
+from workers.roles.stages import announce_stage
 from workers.roles.stale_groups import admit_fresh
 from workers.roles.step_samples import step_samples
 from workers.state_keys import GROUPS_DROPPED, TRAINER_DONE, TRAINER_STEP
@@ -100,6 +101,7 @@ async def serve(ctx: RoleContext) -> None:
     bus = ctx.connected
     cfg = bus.config
     _, size = world()
+    await announce_stage(bus, "actor", "loading model")
     # Only rank 0 builds a model from code (transformers saves nothing on other ranks); they wait at this
     # barrier, the first collective of every rank, and then read the finished directory.
     model_dir = await asyncio.to_thread(materialize, cfg.model.source, ctx.cache / "base", cfg.model.seed)
@@ -113,6 +115,7 @@ async def serve(ctx: RoleContext) -> None:
     async def body() -> None:
         try:
             await actor.setup(load_task(task_spec(cfg.task)))
+            await announce_stage(bus, "actor", "waiting for the first groups", version=actor.state.version)
             await actor.run(ctx.stop)
         finally:
             if isinstance(trainer, DrivenTrainer):
@@ -155,6 +158,8 @@ class Actor:
         self._holding: set[int] = set()
         """Release indices of the groups held for the step being collected."""
         self.checkpoints = ActorCheckpoints(bus, trainer.checkpoints)
+        self._first_trained = False
+        """Whether this process has announced its first update (`workers.roles.stages`)."""
         judge = bus.config.judge
         self.judge_check = judge.check.label if judge is not None and judge.check is not None else None
         """The label of the rule logged beside the judge (`judge.check`), whose agreement with it each step reports."""
@@ -196,6 +201,8 @@ class Actor:
             def checked(fields: dict[str, float]) -> None:  # from the warm-up's thread: `relax run` sees progress
                 asyncio.run_coroutine_threadsafe(self._event("warmup_progress", **fields), loop)
 
+            if self.cfg.trainer.warmup.max_steps:
+                await announce_stage(self.bus, "actor", "warming up", max_steps=self.cfg.trainer.warmup.max_steps)
             info = await asyncio.to_thread(warm_up, self.trainer, warmup_items, checked)
             log.info("warmup_done", **info)
             await self._event("warmup_done", **info)
@@ -288,6 +295,9 @@ class Actor:
     ) -> tuple[dict[str, float], dict[str, torch.Tensor], float]:
         """`_train_and_snapshot`, tried `trainer.step_tries` times; then `Reject`: the batch is dead-lettered."""
         tries, step = self.cfg.trainer.step_tries, self.state.step + 1
+        if not self._first_trained:  # the first update (allocations, kernels' first run) can take a while
+            self._first_trained = True
+            await announce_stage(self.bus, "actor", f"training step {step}", groups=len(groups))
         error = ""
         for attempt in range(1, tries + 1):
             try:

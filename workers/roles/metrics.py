@@ -3,7 +3,8 @@
 A follower role of the bus's loop (`relax_bus.follow`): the bus reads the run's events stream in order from
 the role's durable consumer (rewound to its ack floor on start), heartbeats, and acknowledges each batch once
 `MetricsRole.take` returns, which writes the batch's `Metric` events to the step sinks
-(`workers.metrics.sinks`: JSON Lines, TensorBoard, W&B) and flushes them. A restarted role reads again from
+(`workers.metrics.sinks`: JSON Lines, TensorBoard, W&B) and flushes them, with the held-out evaluations its
+`eval` run events carry (`workers.metrics.evaluation`), kept by policy version. A restarted role reads again from
 its ack floor and the sinks skip the steps they already hold, so nothing is lost or written twice. With a
 Prometheus port configured it also serves the run's gauges (`workers.metrics.prometheus`), reading
 queue depths, dead letters and live workers from the server every `metrics.poll_s` seconds.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -27,8 +29,9 @@ from relax_bus.heartbeat import live_workers
 from relax_bus.log import get_logger
 from schemas import Metric, RunEvent
 from workers.config import MetricsConfig, MetricsLaunch
+from workers.metrics.evaluation import EVAL_EVENT, eval_numbers, eval_version
 from workers.metrics.prometheus import PrometheusSink
-from workers.metrics.sinks import StepSink, open_sinks
+from workers.metrics.sinks import EvalPoint, StepSink, open_sinks
 from workers.roles.serve import RoleContext
 
 log = get_logger(__name__)
@@ -70,7 +73,8 @@ async def serve(ctx: RoleContext) -> None:
     # run id of a role killed while attached to it stays "in use" there, and the restarted role could not
     # open the run again. Each role process starts its own, which dies with it.
     os.environ.pop(WANDB_SERVICE_VARIABLE, None)
-    sinks = await asyncio.to_thread(open_sinks, config, metrics_dir(config, ctx.cache, launch), bus.run)
+    run_config = bus.config.model_dump(mode="json")  # the whole run config, as W&B shows it with the run
+    sinks = await asyncio.to_thread(open_sinks, config, metrics_dir(config, ctx.cache, launch), bus.run, run_config)
     try:
         await MetricsRole(bus, ctx.role, sinks, gauges, config.poll_s, bus.config.trainer.steps).run(ctx.stop)
     finally:
@@ -115,13 +119,15 @@ class MetricsRole:
     async def take(self, batch: list[Followed]) -> None:
         """Write a batch's steps to every sink and flush, and update the gauges (the bus acknowledges it next)."""
         points = [m for _, m in batch if isinstance(m, Metric) and self._in_run(m)]
-        written = await asyncio.to_thread(self._write, points) if points else {}
+        evals = [p for _, m in batch if (p := eval_point(m)) is not None]
+        written = await asyncio.to_thread(self._write, points, evals) if points or evals else {}
         if self.gauges is not None:
             for _, message in batch:
                 if isinstance(message, Metric | RunEvent):
                     self.gauges.observe(message)
         counts = self.follower.counts
         counts["points"] += len(points)
+        counts["evals"] += len(evals)
         for name, count in written.items():
             counts[f"written_{name}"] += count
         if points:  # a count: a whole number in bounds (`schemas.bounded`)
@@ -134,11 +140,11 @@ class MetricsRole:
         self.follower.counts["passed_over"] += 1
         return False
 
-    def _write(self, points: list[Metric]) -> dict[str, int]:
-        """Write and flush `points` to every sink (in a thread: W&B and file writes block)."""
+    def _write(self, points: list[Metric], evals: Sequence[EvalPoint] = ()) -> dict[str, int]:
+        """Write and flush `points` and `evals` to every sink (in a thread: W&B and file writes block)."""
         written = {}
         for sink in self.sinks:
-            written[sink.name] = sink.write(points)
+            written[sink.name] = sink.write(points) + sink.write_evals(evals)
             sink.flush()
         return written
 
@@ -163,3 +169,14 @@ class MetricsRole:
                 pass  # tolerated as above: the gauges keep what was read last
             self.gauges.set_server_state(depths, live, dead)
             await asyncio.sleep(self.poll_s)
+
+
+def eval_point(message: object) -> EvalPoint | None:
+    """The held-out evaluation an `eval` run event carries; None for any other message (or one without a version)."""
+    if not isinstance(message, RunEvent) or message.event != EVAL_EVENT:
+        return None
+    version = eval_version(message.fields)
+    if version is None:
+        log.warning("eval_event_without_version", source=message.source)
+        return None
+    return EvalPoint(version, message.at, eval_numbers(message.fields))

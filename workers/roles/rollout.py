@@ -7,7 +7,9 @@ Each group is stamped with the version of the weights that generated it (with `r
 token's version; every token's version travels in `Sample.version_spans`, see `workers.roles.partial`). A
 prompt that can never be generated (a media reference that points nowhere, text the tokenizer refuses, more tokens
 than the model's context) is dead-lettered on its own with the reason, before it could fail a whole batch; a
-`rollout.max_new_tokens` that fills the model's context by itself is refused at start.
+`rollout.max_new_tokens` that fills the model's context by itself is refused at start. With an `eval` section, the
+worker evaluates the held-out set between two engine calls when a block of `eval.every` versions is due
+(`workers.roles.evaluation`). It announces its start-up stages on the run's events (`workers.roles.stages`).
 """
 
 from __future__ import annotations
@@ -43,10 +45,12 @@ from workers.omni.media_refs import PayloadCache, has_media, uri_path
 from workers.omni.prompts import MediaPrompter
 from workers.roles.partial import generate_partial, labelled
 from workers.roles.serve import RoleContext, run_worker
+from workers.roles.stages import announce_stage
 from workers.weights import WeightTransport, make_transport
 
 if TYPE_CHECKING:
     from workers.roles.agent import Agent
+    from workers.roles.evaluation import Evaluator
 
 log = get_logger(__name__)
 COLLECT_S = 0.01
@@ -89,9 +93,13 @@ class Rollout:
         """Turns media prompts into processor tensors (a multimodal engine only; a text model reads the text parts)."""
         self.payloads = PayloadCache(bus.media, root=self.media_root)
         self._loop_task: asyncio.Task[None] | None = None
+        self._announced = False
+        """Whether this worker has announced its first engine call (`workers.roles.stages`)."""
         self.worker: Worker[PromptGroup] | None = None
         self.agent: Agent | None = None
         """Runs each sample as a multi-turn episode (`agent` in the run config); None: one response per sample."""
+        self.evaluator: Evaluator | None = None
+        """Evaluates the held-out set between engine calls (`eval` in the run config); None: no evaluation."""
 
     async def start(self) -> None:
         await self.tracker.start()
@@ -101,6 +109,8 @@ class Rollout:
         if self._loop_task is not None:
             self._loop_task.cancel()
         await self.tracker.stop()
+        if self.evaluator is not None:
+            self.evaluator.close()
 
     async def handle(self, prompt: PromptGroup, delivery: Delivery) -> RolloutGroup:
         """Worker handler: check and tokenise the group, queue it for the next engine call, wait for its samples."""
@@ -161,10 +171,24 @@ class Rollout:
             for r, group in zip(requests, results, strict=True):
                 if not r.done.done():  # a handler cancelled by shutdown no longer waits
                     r.done.set_result(group)
+            if self.evaluator is not None:  # between batches: the groups above are on their way already
+                await self._evaluate()
+
+    async def _evaluate(self) -> None:
+        """The held-out evaluation, if one is due. A failure is logged and generation goes on (deliberate: the
+        evaluation is a report, never a reason to stop training; its block is then not evaluated)."""
+        assert self.evaluator is not None
+        try:
+            await self.evaluator.after_batch()
+        except Exception as err:  # tolerated: see the docstring
+            log.warning("eval_failed", version=self.engine.version, error=f"{type(err).__name__}: {err}")
 
     async def _generate(self, requests: list[_Request]) -> list[RolloutGroup]:
         sync_s = await self.sync_weights()
         version = self.engine.version
+        if not self._announced:  # the first engine call (compiling, caches) can take a while of its own
+            self._announced = True
+            await announce_stage(self.bus, "rollout", "generating the first groups", version=version)
         ids = [r.ids for r in requests]
         n = self.bus.config.samples_per_group
         cfg = self.bus.config.rollout
@@ -300,10 +324,13 @@ def sample_of(g: Generated, spans: tuple[tuple[int, int], ...] = ()) -> Sample:
 
 async def serve(ctx: RoleContext) -> None:
     """`relax worker rollout`: build the engine, then run the worker loop over it."""
+    bus = ctx.connected
+    await announce_stage(bus, "rollout", "loading model", engine=bus.config.rollout.engine.type)
     try:
-        worker, rollout = await rollout_worker(ctx.connected, ctx.cache)
+        worker, rollout = await rollout_worker(bus, ctx.cache)
     except ValueError as err:  # a model or engine the config names cannot be used here
         raise ConfigError(f"run {ctx.run} (rollout)", [str(err)]) from None
+    await announce_stage(bus, "rollout", "model loaded, waiting for v0 and the first prompts")
     await rollout.start()
     await run_worker(ctx, worker, rollout.stop)
 
@@ -352,6 +379,10 @@ async def rollout_worker(
         if getattr(engine, "processor", None) is not None:
             raise ValueError("agent episodes need a text model: a multimodal prompt cannot be continued yet")
         rollout.agent = await Agent.start(bus, engine, rollout.tokenizer, rollout.sampling)
+    if cfg.eval is not None:
+        from workers.roles.evaluation import Evaluator  # the scorer and the held-out set: only runs with eval
+
+        rollout.evaluator = await asyncio.to_thread(Evaluator, bus, engine, rollout.tokenizer, options.worker_id)
     worker = Worker(bus, "rollout", rollout.handle, PromptGroup, options)
     rollout.worker = worker
     return worker, rollout
