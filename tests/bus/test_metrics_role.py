@@ -104,6 +104,7 @@ async def test_a_killed_and_restarted_metrics_role_writes_every_step_once(make_b
         proc.wait(timeout=30)
         await publish_steps(bus, range(16, 26))  # while it is down
         await bus.publish("events", evaluation(bus, 20))  # the same evaluation again (a worker published it twice)
+        await bus.publish("events", evaluation(bus, 10**9))  # forged: past the run's last step, passed over
         proc = start_role(bus, url, tmp_path / "work")
         await until(lambda: jsonl_steps(out), lambda s: s and s[-1] == 25, 120, "steps up to 25")
         consumer = bus.topology.consumer("events")
@@ -121,11 +122,12 @@ async def test_a_killed_and_restarted_metrics_role_writes_every_step_once(make_b
     assert jsonl_steps(out, "samples.jsonl") == [s for s in range(1, 26) for _ in range(2)]  # each step's once
     series = tensorboard_series(out / "tensorboard", "reward_mean")
     assert [s for s, _ in series] == list(range(1, 26))
-    assert eval_versions(out) == [5, 10, 15, 20, 25]  # each evaluation once, through two kills and a duplicate
+    assert eval_versions(out) == [5, 10, 15, 20, 25]  # each once, through two kills, a duplicate and a forgery
     evals = sorted(tensorboard_series(out / "tensorboard" / "eval", "eval/greedy_accuracy"))
     assert [s for s, _ in evals] == [5, 10, 15, 20, 25]
     # The events stream is limits-retention: the role's reading took nothing away from it.
-    assert (await bus.js.stream_info(stream)).state.messages == 50 + 5 + 1
+    messages = (await bus.js.stream_info(stream)).state.messages
+    assert messages == 50 + 5 + 2  # steps and samples, evaluations, the duplicate and the forgery
 
 
 async def test_the_role_serves_prometheus_gauges_of_the_run(make_bus, tmp_path):

@@ -119,7 +119,7 @@ class MetricsRole:
     async def take(self, batch: list[Followed]) -> None:
         """Write a batch's steps to every sink and flush, and update the gauges (the bus acknowledges it next)."""
         points = [m for _, m in batch if isinstance(m, Metric) and self._in_run(m)]
-        evals = [p for _, m in batch if (p := eval_point(m)) is not None]
+        evals = [p for _, m in batch if (p := eval_point(m)) is not None and self._eval_in_run(p)]
         written = await asyncio.to_thread(self._write, points, evals) if points or evals else {}
         if self.gauges is not None:
             for _, message in batch:
@@ -137,6 +137,15 @@ class MetricsRole:
         if self.steps is None or point.step <= self.steps:
             return True
         log.warning("metric_beyond_run", step=point.step, steps=self.steps)  # passed over: no sink writes it
+        self.follower.counts["passed_over"] += 1
+        return False
+
+    def _eval_in_run(self, point: EvalPoint) -> bool:
+        """An evaluation of a version past the run's last step is forged: writing it would make the sinks skip
+        every real evaluation up to it."""
+        if self.steps is None or point.version <= self.steps:
+            return True
+        log.warning("eval_beyond_run", version=point.version, steps=self.steps)
         self.follower.counts["passed_over"] += 1
         return False
 
