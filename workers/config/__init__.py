@@ -290,9 +290,28 @@ class PipelineConfig(RunConfig):
                 f"trainer.moe.routing_replay r3 with rollout.partial {self.rollout.partial}: a continued response's "
                 "prefix was routed under older weights than the rest, and routing spans are not recorded; turn one off"
             )
+        problems += self._lora_problems()
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def _lora_problems(self) -> list[str]:
+        """Why `trainer.lora` cannot run with the rest of this config (docs/train-your-own-model.md, LoRA)."""
+        if self.trainer.lora is None:
+            return []
+        problems = []
+        if self.model.source.type == "tiny-omni":
+            problems.append("trainer.lora trains text policies only: a multimodal policy (tiny-omni) trains in full")
+        if self.rollout.engine.type != "torch":
+            problems.append(
+                f"trainer.lora needs the torch rollout engine, not {self.rollout.engine.type}: it applies each adapter "
+                "version in place (vLLM: docs/train-your-own-model.md, LoRA)"
+            )
+        if self.weights.delta:
+            problems.append("trainer.lora already publishes only the adapter from v1 on: set weights.delta false")
+        if self.trainer.simulate is not None:
+            problems.append("trainer.lora with trainer.simulate: a simulated trainer has no adapter to publish")
+        return problems
 
     @model_validator(mode="after")
     def _counts_of_absent_roles(self) -> PipelineConfig:

@@ -330,6 +330,8 @@ async def rollout_worker(
         lambda: make_engine(engine_cfg.type, model_dir, device=device, record_routing=record, **engine_cfg.options())
     )
     engine.version = -1  # nothing loaded from the trainer yet: the first batch waits for v0
+    if cfg.trainer.lora is not None:  # the config admits the torch engine only (a LoRA run's versions are adapters)
+        await asyncio.to_thread(engine.use_adapter, cfg.trainer.lora)  # type: ignore[attr-defined]
     if engine.max_context is not None and cfg.rollout.max_new_tokens >= engine.max_context:
         raise ConfigError(
             "rollout.max_new_tokens",
