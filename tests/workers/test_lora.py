@@ -51,7 +51,7 @@ def test_lora_is_off_by_default_and_refused_where_it_cannot_run():
     assert parse_config({"run": "x"}).trainer.lora is None
     assert parse_config(base).trainer.lora == LoraConfig(**LORA)
     refusals = {
-        "rollout": ({"engine": "vllm"}, "trainer.lora needs the torch rollout engine, not vllm"),
+        "rollout": ({"engine": "sim"}, "trainer.lora needs the torch or vllm rollout engine, not sim"),
         "weights": ({"type": "object_store", "delta": True}, "trainer.lora already publishes only the adapter"),
     }
     for key, (value, line) in refusals.items():
@@ -148,8 +148,7 @@ def test_the_engine_applies_adapters_in_place_and_samples_base_plus_adapter_logp
     t = PolicyTrainer(model_dir, config())
     t.step(groups)
     t.step(groups)
-    engine = TorchEngine(model_dir)
-    engine.use_adapter(LoraConfig(**LORA))
+    engine = TorchEngine(model_dir, lora=LoraConfig(**LORA))
     engine.load_state_dict(t.full_state(), 0)  # v0: base and adapter
     pointers = {k: v.data_ptr() for k, v in engine.model.state_dict().items()}
     t.step(groups)

@@ -302,10 +302,10 @@ class PipelineConfig(RunConfig):
         problems = []
         if self.model.source.type == "tiny-omni":
             problems.append("trainer.lora trains text policies only: a multimodal policy (tiny-omni) trains in full")
-        if self.rollout.engine.type != "torch":
+        if self.rollout.engine.type not in ("torch", "vllm"):
             problems.append(
-                f"trainer.lora needs the torch rollout engine, not {self.rollout.engine.type}: it applies each adapter "
-                "version in place (vLLM: docs/train-your-own-model.md, LoRA)"
+                f"trainer.lora needs the torch or vllm rollout engine, not {self.rollout.engine.type}: they apply "
+                "each adapter version (docs/train-your-own-model.md, LoRA)"
             )
         if self.weights.delta:
             problems.append("trainer.lora already publishes only the adapter from v1 on: set weights.delta false")

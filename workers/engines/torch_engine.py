@@ -48,7 +48,12 @@ class TorchEngine:
     name = "torch"
 
     def __init__(
-        self, model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32, record_routing: bool = False
+        self,
+        model_dir: Path,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        record_routing: bool = False,
+        lora: LoraConfig | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.processor: Any = None
@@ -83,6 +88,8 @@ class TorchEngine:
         self.eos_ids = torch.tensor(eos_ids, dtype=torch.long, device=self.device)
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else eos_ids[0]
+        if lora is not None:
+            self.use_adapter(lora)
 
     def generate(
         self,
