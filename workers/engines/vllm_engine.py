@@ -191,7 +191,7 @@ class VllmEngine:
         """Reload the weights in place (no restart) and record their policy version and the time it took. With an
         adapter (`lora`) `state` is a LoRA version: the adapter, with or without the base."""
         base, adapter = split(state) if self.adapter is not None else (state, {})
-        weights = self._checked_weights(base) if base else []
+        weights = self._checked_weights(base) if base or self.adapter is None else []
         started = time.perf_counter()
         with self._lock:
             _pin_threads(self.threads)
