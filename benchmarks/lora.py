@@ -16,7 +16,9 @@ each version) and `lora r<rank>` on q/k/v/o (`trainer.lora`). For each:
 - publish-to-loaded s: the two together;
 - step s and peak RSS: one trainer step (`PolicyTrainer.step`, 2 groups x 4 samples of 16 response tokens, fp32,
   one thread per process as the e2e runs) in a subprocess of its own, whose peak RSS (`ru_maxrss`) is reported;
-  only for the models in --train-models (a 0.5B full step in fp32 on one loaded CPU core takes minutes).
+  only for the models in --train-models (a 0.5B full step in fp32 on one loaded CPU core takes minutes);
+- reference forward s: a no-grad forward of the step's rows in the trainer, what computing the KL reference in
+  the actor (adapter off) would add to each step; the reference role spends it in its own process instead.
 
 Each publish/fetch runs --repeat times; the best is kept. Prints a table, writes JSON (benchmarks/results/lora.json).
 """
@@ -122,6 +124,7 @@ def step_case(directory: Path, mode: str) -> dict[str, float]:
 
 def step_child(directory: str, mode: str) -> None:
     from schemas import PromptGroup, RolloutGroup, Sample, ScoredGroup, TextPart, TrainGroup, WireTensor
+    from workers.training.batch import make_batch
     from workers.training.trainer import PolicyTrainer
 
     torch.set_num_threads(1)
@@ -143,7 +146,14 @@ def step_child(directory: str, mode: str) -> None:
     trainer.step(groups)
     seconds = time.perf_counter() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
-    print(json.dumps({"step_s": seconds, "peak_rss_gib": peak}))
+    # What computing the KL reference in the actor would add to its step: a no-grad forward of the step's rows
+    # (with LoRA, the base with the adapter off); the reference role spends it in its own process instead.
+    batch = make_batch(groups)
+    started = time.perf_counter()
+    with torch.no_grad():
+        for rows in trainer._plan(batch, range(batch.ids.shape[0])).micro:
+            trainer.forward.logprobs(batch, rows, old=True)
+    print(json.dumps({"step_s": seconds, "peak_rss_gib": peak, "reference_forward_s": time.perf_counter() - started}))
 
 
 def main() -> None:
@@ -178,7 +188,8 @@ def main() -> None:
         full = next(r for r in rows if r["model"] == row["model"] and r["mode"] == "full")
         row["bytes_x_fewer"] = full["bytes_per_version"] / row["bytes_per_version"]
         row["publish_to_loaded_x_faster"] = full["publish_to_loaded_s"] / row["publish_to_loaded_s"]
-    header = ["model", "mode", "MB/version", "x fewer", "publish s", "fetch+apply s", "x faster", "step s", "peak GiB"]
+    header = ["model", "mode", "MB/version", "x fewer", "publish s", "fetch+apply s", "x faster", "step s", "peak GiB",
+              "ref fwd s"]  # fmt: skip
     print(" | ".join(header))
     for r in rows:
         print(
@@ -187,6 +198,7 @@ def main() -> None:
                     r["model"], r["mode"], f"{r['bytes_per_version'] / 1e6:.2f}", f"{r['bytes_x_fewer']:.0f}",
                     f"{r['publish_s']:.3f}", f"{r['fetch_apply_s']:.3f}", f"{r['publish_to_loaded_x_faster']:.0f}",
                     f"{r.get('step_s', float('nan')):.2f}", f"{r.get('peak_rss_gib', float('nan')):.2f}",
+                    f"{r.get('reference_forward_s', float('nan')):.2f}",
                 ]
             )
         )  # fmt: skip
