@@ -13,7 +13,7 @@
     relax model import-gguf [GGUF] --out DIR  a GGUF file (default: SmolLM2-135M-Instruct) as an HF directory
     relax model warmup CONFIG --out DIR       CONFIG's policy after its supervised warm-up, as an HF directory
     relax model judge-train CONFIG --data F --out DIR   a judge (CONFIG's judge section) trained on labelled pairs
-    relax export RUN --out DIR [--step N]     a run's checkpoint as an HF directory (transformers, vLLM)
+    relax export RUN --out DIR [--step N] [--merge]  a run's checkpoint as an HF directory (LoRA: its adapter)
 
 Arguments are parsed before anything heavy is imported; a role imports only what its module needs.
 """
@@ -149,6 +149,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
     e.add_argument("--run-dir", help="the run's directory when no --nats-url is given (default runs/<run>)")
     e.add_argument("--work-dir", default="./.relax/work", help="local cache for model files (default ./.relax/work)")
+    e.add_argument("--merge", action="store_true", help="a LoRA run: write the merged model, not the adapter")
     return p
 
 
@@ -354,7 +355,7 @@ async def _export(args: argparse.Namespace, config_model: type[RunConfig]) -> in
 
     settings = connection_settings(args) if args.nats_url else None
     async with run_bus(args.run, settings, Path(args.run_dir or f"runs/{args.run}")) as bus:
-        result = await export(bus, Path(args.out), args.step, Path(args.work_dir))
+        result = await export(bus, Path(args.out), args.step, Path(args.work_dir), args.merge)
     print(f"run {result['run']} step {result['step']} exported to {result['out']}: {', '.join(result['files'])}")
     return 0
 

@@ -1,5 +1,5 @@
 """FSDP2 across two torchrun ranks computes the same update as one process, with and without supervised rows mixed in
-(`trainer.sft`)."""
+(`trainer.sft`), and with a LoRA adapter on the frozen base (`trainer.lora`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,10 @@ pytestmark = [pytest.mark.workers, pytest.mark.timeout(180)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def config(sft: str | None = None) -> PipelineConfig:
+LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
+
+
+def config(sft: str | None = None, lora: bool = False) -> PipelineConfig:
     """The run; with `sft`, a JSONL dataset whose 3 rows per update the ranks share 2 and 1 (`sft_dataset`)."""
     return parse_config(
         {
@@ -35,6 +38,7 @@ def config(sft: str | None = None) -> PipelineConfig:
                 "optim": {"lr": 1e-2, "grad_clip": 1e9},
                 "compute": {"micro_batch_tokens": 16, "shared_prompt": False},
                 "sft": None if sft is None else {"dataset": sft, "coef": 0.5, "batch_size": 3},
+                "lora": LORA if lora else None,
             },
         }
     )
@@ -79,8 +83,10 @@ def batch_groups() -> list[TrainGroup]:
     return groups
 
 
-@pytest.mark.parametrize("mixed", [False, True], ids=["rl", "rl+sft"])
-def test_two_rank_fsdp2_step_matches_one_process(tmp_path, mixed):
+@pytest.mark.parametrize(
+    ("mixed", "lora"), [(False, False), (True, False), (False, True)], ids=["rl", "rl+sft", "lora"]
+)
+def test_two_rank_fsdp2_step_matches_one_process(tmp_path, mixed, lora):
     model_dir = materialize("tiny:64x2", tmp_path / "base", seed=0)
     out = tmp_path / "fsdp.pt"
     sft = str(sft_dataset(tmp_path / "sft.jsonl")) if mixed else None
@@ -93,7 +99,8 @@ def test_two_rank_fsdp2_step_matches_one_process(tmp_path, mixed):
         str(ROOT / "tests" / "workers" / "fsdp_step.py"),
         str(model_dir),
         str(out),
-        *([sft] if sft else []),
+        sft or "",
+        "lora" if lora else "",
     ]
     result = subprocess.run(
         cmd,
@@ -106,10 +113,15 @@ def test_two_rank_fsdp2_step_matches_one_process(tmp_path, mixed):
     assert result.returncode == 0, result.stderr[-3000:]
     sharded = torch.load(out, weights_only=True)
 
-    single = PolicyTrainer(model_dir, config(sft))
-    before = {k: v.clone() for k, v in single.model.state_dict().items()}
+    single = PolicyTrainer(model_dir, config(sft, lora))
+    if lora:  # B starts at zero, which leaves A's gradient zero in the first step: start it elsewhere on every rank
+        torch.manual_seed(1)
+        for name, param in single.model.named_parameters():
+            if ".lora_B." in name:
+                param.data.normal_(0, 0.1)
+    before = {k: v.clone() for k, v in single.full_state().items()}
     metrics = single.step(batch_groups())
-    after = single.model.state_dict()
+    after = single.full_state()
     assert abs(metrics["reward_mean"] - sharded["metrics"]["reward_mean"]) < 1e-9
     assert abs(metrics["grad_norm"] - sharded["metrics"]["grad_norm"]) < 1e-4  # the same global gradient
     if mixed:
@@ -120,3 +132,6 @@ def test_two_rank_fsdp2_step_matches_one_process(tmp_path, mixed):
         assert torch.allclose(sharded["state"][name], tensor, atol=1e-4), name
         changed += not torch.equal(before[name], tensor)
     assert changed > 0, "the step changed no weights"
+    if lora:
+        assert all(".lora_" in n for n, t in after.items() if not torch.equal(before[n], t)), "only the adapter moved"
+        assert changed == 2 * 2 * 2, "A and B of both target modules in both layers moved"

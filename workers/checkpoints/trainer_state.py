@@ -25,8 +25,17 @@ class TrainerCheckpoints:
     """One rank's checkpoints of a trainer's model, optimizer and lr schedule."""
 
     def __init__(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, rank: int, world: int
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        rank: int,
+        world: int,
+        base: str | None = None,
     ) -> None:
+        self.base = base
+        """A LoRA trainer's base digest: whole checkpoints then hold the adapter (and its optimizer state) and this
+        digest, not the frozen base; a restore refuses one of another base."""
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -41,7 +50,7 @@ class TrainerCheckpoints:
     def state(self, extra: dict[str, Any]) -> dict[str, Any]:
         """Model, optimizer, lr schedule and `extra` as they are now, in tensors of their own (a collective; rank 0
         gets the tensors): the next step may train while `serialize` writes this out."""
-        return whole_state(self.model, self.optimizer, self.scheduler, extra)
+        return whole_state(self.model, self.optimizer, self.scheduler, extra, self.base)
 
     def serialize(self, state: dict[str, Any]) -> bytes:
         """`state`'s result as torch.save bytes (tensors, containers and numbers only); b"" on ranks > 0."""
@@ -49,7 +58,7 @@ class TrainerCheckpoints:
 
     def restore(self, data: bytes) -> dict[str, Any]:
         """Load a checkpoint written by `to_bytes`; return its `extra` (ranks > 0 may pass b"")."""
-        return load_whole(data, self.model, self.optimizer, self.scheduler, self.world)
+        return load_whole(data, self.model, self.optimizer, self.scheduler, self.world, self.base)
 
     def save_sharded(self, path: str, extra: dict[str, Any]) -> Future[Any]:
         """Start a sharded checkpoint into directory `path` (a collective); the future resolves once every rank's

@@ -24,25 +24,43 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 """Whole tensors on the CPU, on rank 0 (a collective under FSDP2)."""
 
 
-def whole_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, extra: dict) -> dict:
+def whole_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, extra: dict, base: str | None = None
+) -> dict:
     """Model, optimizer, lr schedule and `extra` as they are now, in tensors of their own (a collective; rank 0
-    gets the tensors), for `write_checkpoint`."""
+    gets the tensors), for `write_checkpoint`. With `base` (a LoRA trainer: the frozen base's digest) the model
+    part is the trained parameters only, and the digest is kept beside them."""
     optim = get_optimizer_state_dict(model, optimizer, options=FULL)
-    return {
-        "model": {k: v.detach().to("cpu", copy=True) for k, v in get_model_state_dict(model, options=FULL).items()},
+    trained = {k for k, p in model.named_parameters() if p.requires_grad} if base is not None else None
+    weights = get_model_state_dict(model, options=FULL)
+    state = {
+        "model": {k: v.detach().to("cpu", copy=True) for k, v in weights.items() if trained is None or k in trained},
         "optimizer": cloned(optim),
         "scheduler": copy.deepcopy(scheduler.state_dict()),
         "extra": copy.deepcopy(extra),
     }
+    return state if base is None else {**state, "base": base}
 
 
 def load_whole(
-    data: bytes, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, world: int
+    data: bytes,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    world: int,
+    base: str | None = None,
 ) -> dict:
-    """Load checkpoint bytes (`write_checkpoint`'s) into every rank (ranks > 0 may pass b""); return its `extra`."""
+    """Load checkpoint bytes (`write_checkpoint`'s) into every rank (ranks > 0 may pass b""); return its `extra`.
+    With `base` (a LoRA trainer) the checkpoint must hold the trained parameters of that same base:
+    CheckpointRefused when it names another base's digest or none."""
     empty: dict[str, Any] = {"model": {}, "optimizer": {}, "extra": {}}
     state = read_checkpoint(data) if data else empty
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=world > 1)
+    if base is not None and data and state.get("base") != base:
+        raise CheckpointRefused(
+            f"checkpoint refused: it adapts base {str(state.get('base'))[:16]}..., "
+            f"this trainer's base is {base[:16]}..."
+        )
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=world > 1, strict=base is None)
     set_model_state_dict(model, state["model"], options=options)
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
     schedule = [state.get("scheduler")]

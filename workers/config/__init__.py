@@ -296,9 +296,28 @@ class PipelineConfig(RunConfig):
                 "prefix was routed under older weights than the rest, and routing spans are not recorded; turn one off"
             )
         problems += eval_problems(self)
+        problems += self._lora_problems()
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def _lora_problems(self) -> list[str]:
+        """Why `trainer.lora` cannot run with the rest of this config (docs/train-your-own-model.md, LoRA)."""
+        if self.trainer.lora is None:
+            return []
+        problems = []
+        if self.model.source.type == "tiny-omni":
+            problems.append("trainer.lora trains text policies only: a multimodal policy (tiny-omni) trains in full")
+        if self.rollout.engine.type not in ("torch", "vllm"):
+            problems.append(
+                f"trainer.lora needs the torch or vllm rollout engine, not {self.rollout.engine.type}: they apply "
+                "each adapter version (docs/train-your-own-model.md, LoRA)"
+            )
+        if self.weights.delta:
+            problems.append("trainer.lora already publishes only the adapter from v1 on: set weights.delta false")
+        if self.trainer.simulate is not None:
+            problems.append("trainer.lora with trainer.simulate: a simulated trainer has no adapter to publish")
+        return problems
 
     @model_validator(mode="after")
     def _counts_of_absent_roles(self) -> PipelineConfig:

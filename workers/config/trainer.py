@@ -20,6 +20,7 @@ from workers.config.trainer_sections import (
     ComputeConfig,
     DistributedConfig,
     KlConfig,
+    LoraConfig,
     MoeConfig,
     OptimConfig,
     ScheduleConfig,
@@ -297,6 +298,9 @@ class TrainerConfig(Section):
     """Supervised warm-up before RL."""
     sft: SftConfig | None = None
     """Supervised rows mixed into every optimizer update (`{dataset: ..., coef: ..., batch_size: ...}`); null: off."""
+    lora: LoraConfig | None = None
+    """Train a LoRA adapter on the frozen base instead of every weight (`{rank: 8, alpha: 16, dropout: 0,
+    target_modules: [q_proj, v_proj]}`); null: full fine-tuning."""
     simulate: SimTrainerConfig | None = None
     """Replace each optimizer update by a timed sleep (benchmarks of scheduling and the bus); the published
     weights then stay those the actor started with."""
@@ -344,6 +348,15 @@ class TrainerConfig(Section):
         if self.distributed.world_size > 1:
             raise ValueError(
                 f"moe.routing_replay {replay} runs in one trainer process: set distributed.nproc and nnodes to 1"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_fits(self) -> TrainerConfig:
+        if self.lora is not None and self.moe.routing_replay != "off":
+            raise ValueError(
+                f"trainer.lora with moe.routing_replay {self.moe.routing_replay}: routing replay trains every "
+                "weight of the routers; turn one of them off"
             )
         return self
 

@@ -144,3 +144,17 @@ class SftConfig(Section):
     seed: int = 0
     """Seed of the order: each pass over the dataset is a fresh permutation; the update count, which checkpoints
     hold, says where in it an update is, so a restarted actor continues the order."""
+
+
+class LoraConfig(Section):
+    """LoRA (peft): the base stays frozen and only low-rank adapters on `target_modules` train; from v1 on a policy
+    version is the adapter alone, fenced by the base's digest (docs/train-your-own-model.md, LoRA)."""
+
+    rank: int = Field(default=8, ge=1)
+    """Rank r of each adapter pair (A: r x in, B: out x r)."""
+    alpha: float = Field(default=16.0, gt=0)
+    """Scale numerator: the adapter adds (alpha / rank) x B A x to the frozen layer's output."""
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on the adapter's input in training forwards (engines and the reference never drop)."""
+    target_modules: tuple[str, ...] = Field(default=("q_proj", "k_proj", "v_proj", "o_proj"), min_length=1)
+    """Names (last path component) of the linear layers that get an adapter, e.g. `[q_proj, v_proj]`."""

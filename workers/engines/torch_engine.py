@@ -21,6 +21,7 @@ before sampling, text prompts included, and the log-probs are under that masked 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ import numpy
 import torch
 
 from relax_bus.log import get_logger
+from workers.config.trainer_sections import LoraConfig
 from workers.data.models import load_model, load_tokenizer
 from workers.engines.base import Generated, MediaInputs, SamplingSettings, check_call, check_media, log_generated
 from workers.engines.token_draw import draw
@@ -35,6 +37,7 @@ from workers.engines.torch_turns import TurnBatch
 from workers.moe.routing import id_dtype, recording, routing_shape
 from workers.omni.loading import is_multimodal, load_omni
 from workers.omni.logprobs import mask_tokens, media_tensors, media_token_ids, rope_positions
+from workers.weights.adapter import apply_adapter, in_model, inject, is_adapter, split
 
 log = get_logger(__name__)
 
@@ -45,7 +48,12 @@ class TorchEngine:
     name = "torch"
 
     def __init__(
-        self, model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32, record_routing: bool = False
+        self,
+        model_dir: Path,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        record_routing: bool = False,
+        lora: LoraConfig | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.processor: Any = None
@@ -67,6 +75,8 @@ class TorchEngine:
                 raise ValueError("the torch engine records routed experts (R3) for text models only, not multimodal")
             routing_shape(self.model)  # ValueError for a dense model
         self.version = 0
+        self.adapter: LoraConfig | None = None
+        """The run's LoRA adapter when it serves a `trainer.lora` run (`use_adapter`); None: whole versions."""
         self.max_context: int | None = getattr(text_config, "max_position_embeddings", None)
         self._tokens = 0
         eos = self.model.generation_config.eos_token_id
@@ -78,6 +88,8 @@ class TorchEngine:
         self.eos_ids = torch.tensor(eos_ids, dtype=torch.long, device=self.device)
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else eos_ids[0]
+        if lora is not None:
+            self.use_adapter(lora)
 
     def generate(
         self,
@@ -143,9 +155,30 @@ class TorchEngine:
             raise ValueError("multi-turn episodes on one cache need a text model without routing replay")
         return TurnBatch(self, contexts)
 
+    def use_adapter(self, lora: LoraConfig) -> None:
+        """Serve a LoRA run (`trainer.lora`): inject the run's adapter into the model once (peft, zero-initialised
+        B, no dropout at inference); from then on `load_state_dict` takes adapter-only versions and copies them in
+        place, without rebuilding the model."""
+        inject(self.model, lora)
+        self.model.eval()
+        self.adapter = lora
+
     def load_state_dict(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Copy new weights into the model in place and record their policy version."""
-        own = self.model.state_dict()
+        """Copy new weights into the model in place and record their policy version. With an adapter
+        (`use_adapter`) `state` is a LoRA version: the adapter's tensors, with or without the base's."""
+        if self.adapter is None:
+            self._load_whole(state)
+        else:
+            base, adapter = split(state)
+            if base:
+                self._load_whole(in_model(base, self.model), skip=is_adapter)
+            apply_adapter(self.model, adapter)
+        self.version = version
+        log.info("weights_loaded", engine=self.name, version=version, tensors=len(state))
+
+    def _load_whole(self, state: dict[str, torch.Tensor], skip: Callable[[str], bool] = lambda _: False) -> None:
+        """Copy a state that names every tensor of the model (but those `skip` names) into it, in place."""
+        own = {k: v for k, v in self.model.state_dict().items() if not skip(k)}
         aliases: dict[int, set[str]] = {}
         for key, tensor in own.items():
             aliases.setdefault(tensor.data_ptr(), set()).add(key)
@@ -155,8 +188,6 @@ class TorchEngine:
         if missing or unexpected:
             raise ValueError(f"state dict does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
         self.model.load_state_dict(state, strict=False)
-        self.version = version
-        log.info("weights_loaded", engine=self.name, version=version, tensors=len(state))
 
     def tokens_generated(self) -> int:
         """Running count of tokens sampled since the engine started (eos included)."""

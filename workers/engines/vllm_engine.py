@@ -11,6 +11,11 @@ so it reports `log p_tau(x) - log(nucleus mass)`, higher than ours by -log(mass)
 Weights are reloaded in place through `collective_rpc` (writing into parameters does nothing on CPU,
 where GEMM weights are prepacked); see `reload_in_worker` for the tied lm_head it also has to repack.
 The prefix cache is reset after each reload so no KV block computed by old weights is reused.
+
+A LoRA run (`trainer.lora`, the engine built with `lora`): vLLM starts with `enable_lora`; each version's adapter is
+written as a peft directory and generates as its own `LoRARequest` (id = version + 1: vLLM refuses id 0), and the
+previous version's adapter is removed from the engine once the new one is in. A version with the base in it (v0, or
+a reader's first) reloads the base in place first, as a full version does.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import json
 import logging
 import os
 import random
+import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,8 +35,10 @@ import torch
 from safetensors import safe_open
 
 from relax_bus.log import get_logger
+from workers.config.trainer_sections import LoraConfig
 from workers.data.models import load_tokenizer
 from workers.engines.base import Generated, SamplingSettings, check_call, log_generated, refuse_routing
+from workers.weights.adapter import save_adapter, split
 
 log = get_logger(__name__)
 
@@ -41,6 +50,8 @@ VLLM_ENV_DEFAULTS = {
     "VLLM_LOGGING_LEVEL": "WARNING",  # keep vLLM's INFO start-up chatter out of the worker's log
 }
 TIED_HEAD = "lm_head.weight"
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The `max_lora_rank` values vLLM accepts; the engine takes the smallest that holds `trainer.lora.rank`."""
 
 
 class VllmEngine:
@@ -59,6 +70,7 @@ class VllmEngine:
         enforce_eager: bool = True,
         tensor_parallel_size: int = 1,
         record_routing: bool = False,
+        lora: LoraConfig | None = None,
     ) -> None:
         refuse_routing(
             "vllm",
@@ -99,6 +111,18 @@ class VllmEngine:
         self._tokens = 0
         self._lock = threading.Lock()  # one engine call at a time: the rollout calls it from worker threads
         self._warned_top_p = False
+        self.model_dir = model_dir
+        self.adapter = lora
+        """The run's LoRA adapter (`trainer.lora`); None: whole versions."""
+        self.lora_request: Any = None
+        """The adapter version generating now (a vLLM `LoRARequest`), None before the first."""
+        self.adapter_dir = Path(tempfile.mkdtemp(prefix="relax-lora-")) if lora is not None else None
+        lora_options: dict[str, Any] = {}
+        if lora is not None:
+            if lora.rank > LORA_RANKS[-1]:
+                raise ValueError(f"trainer.lora.rank {lora.rank} exceeds vLLM's largest max_lora_rank {LORA_RANKS[-1]}")
+            slot = next(r for r in LORA_RANKS if r >= lora.rank)
+            lora_options = {"enable_lora": True, "max_lora_rank": slot, "max_loras": 2}
         started = time.perf_counter()
         set_num_threads = torch.set_num_threads
         try:
@@ -111,6 +135,7 @@ class VllmEngine:
                 **({} if current_platform.is_cpu() else {"gpu_memory_utilization": gpu_memory_utilization}),
                 seed=seed,
                 logprobs_mode="processed_logprobs",
+                **lora_options,
             )
         finally:
             # vLLM's CPU worker swaps torch.set_num_threads for a no-op in the whole process; put it back.
@@ -153,7 +178,9 @@ class VllmEngine:
         started = time.perf_counter()
         with self._lock:
             _pin_threads(self.threads)
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            outputs = self.llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=self.lora_request
+            )
         out = [[self._generated(c) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outputs]
         new_tokens = sum(len(g.token_ids) for samples in out for g in samples)
         self._tokens += new_tokens
@@ -161,12 +188,17 @@ class VllmEngine:
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Reload the weights in place (no restart) and record their policy version and the time it took."""
-        weights = self._checked_weights(state)
+        """Reload the weights in place (no restart) and record their policy version and the time it took. With an
+        adapter (`lora`) `state` is a LoRA version: the adapter, with or without the base."""
+        base, adapter = split(state) if self.adapter is not None else (state, {})
+        weights = self._checked_weights(base) if base or self.adapter is None else []
         started = time.perf_counter()
         with self._lock:
             _pin_threads(self.threads)
-            self.llm.collective_rpc(reload_in_worker, args=(weights,))
+            if weights:
+                self.llm.collective_rpc(reload_in_worker, args=(weights,))
+            if self.adapter is not None:
+                self._swap_adapter(adapter, version)
             if not self.llm.reset_prefix_cache():
                 raise RuntimeError("vLLM refused to reset its prefix cache after a weight reload")
         self.last_reload_s = time.perf_counter() - started
@@ -178,6 +210,25 @@ class VllmEngine:
             tensors=len(weights),
             seconds=round(self.last_reload_s, 4),
         )
+
+    def _swap_adapter(self, adapter: dict[str, torch.Tensor], version: int) -> None:
+        """Write the adapter of `version` as a peft directory, add it as LoRARequest id version + 1 and remove the
+        previous one (from the engine and the disk)."""
+        from vllm.lora.request import LoRARequest
+
+        assert self.adapter is not None and self.adapter_dir is not None
+        if not adapter:
+            raise ValueError(f"weights v{version} of a trainer.lora run hold no adapter tensor")
+        folder = self.adapter_dir / f"v{version}"
+        shutil.rmtree(folder, ignore_errors=True)
+        save_adapter(adapter, self.adapter, self.model_dir, folder)
+        request = LoRARequest(f"v{version}", version + 1, str(folder))
+        if not self.llm.llm_engine.add_lora(request):
+            raise RuntimeError(f"vLLM refused the adapter of weights v{version}")
+        old, self.lora_request = self.lora_request, request
+        if old is not None and old.lora_int_id != request.lora_int_id:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
 
     def tokens_generated(self) -> int:
         """Running count of tokens sampled since the engine started (eos included)."""

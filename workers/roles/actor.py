@@ -323,7 +323,10 @@ class Actor:
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
         """The weights as they are now, in tensors of their own (on CPU `full_state` returns the parameters
-        themselves, which the next step changes in place while the publish still reads them)."""
+        themselves, which the next step changes in place while the publish still reads them). With `trainer.lora`
+        only the adapter: the base never changes, and v0 published it."""
+        if self.cfg.trainer.lora is not None:
+            return self.trainer.adapter_state()
         return {k: v.detach().clone() for k, v in self.trainer.full_state().items()}
 
     async def _publish_weights(

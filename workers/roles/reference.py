@@ -1,5 +1,8 @@
 """The reference role: log-probs of every sampled response under the initial policy (version 0).
 
+In a LoRA run (`trainer.lora`) the reference is the base with the adapter off: this role loads v0's base tensors
+only and never updates, so the actor keeps one model and spends no forward on the reference.
+
 In the chain only when `trainer.kl.coef > 0`: scored -> reference -> train. An MoE reference under
 `trainer.moe.routing_replay: r3` is forced to the experts the rollout engine routed each token to, as the trainer is.
 """
@@ -26,6 +29,7 @@ from workers.training.batch import routed_experts
 from workers.training.routing_replay import grouped_plan
 from workers.training.shared_prompt import grouped_logprobs
 from workers.weights import make_transport
+from workers.weights.adapter import split
 
 log = get_logger(__name__)
 
@@ -62,6 +66,8 @@ async def reference_worker(bus: Bus, cache_dir: Path, options: WorkerOptions | N
     await tracker.wait_for(0)  # the actor publishes v0 after its warm-up
     await tracker.stop()
     state = await make_transport(bus).read(0)
+    if cfg.trainer.lora is not None:  # the base alone: the KL is to the base with the adapter off (no second model)
+        state, _ = split(state)
     model.load_state_dict(state)
     model.eval()
     log.info("reference_ready", model=str(model_dir))

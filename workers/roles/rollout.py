@@ -353,8 +353,12 @@ async def rollout_worker(
     engine_cfg = cfg.rollout.engine
     device = engine_device(cfg.rollout.device)
     record = cfg.trainer.moe.routing_replay == "r3"  # the experts of every token travel with the samples (docs/r3.md)
+    # A LoRA run's versions are adapters: the engine (torch or vllm, the config admits no other) serves them.
+    lora = {} if cfg.trainer.lora is None else {"lora": cfg.trainer.lora}
     engine = await asyncio.to_thread(
-        lambda: make_engine(engine_cfg.type, model_dir, device=device, record_routing=record, **engine_cfg.options())
+        lambda: make_engine(
+            engine_cfg.type, model_dir, device=device, record_routing=record, **engine_cfg.options(), **lora
+        )
     )
     engine.version = -1  # nothing loaded from the trainer yet: the first batch waits for v0
     if engine.max_context is not None and cfg.rollout.max_new_tokens >= engine.max_context:

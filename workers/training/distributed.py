@@ -4,8 +4,9 @@ Under FSDP2 every trainer call that touches the model (a step, gathering the ful
 checkpoint, a restore) is a collective, so all ranks must make the same calls in the same order.
 Rank 0 wraps its `PolicyTrainer` in `DrivenTrainer`, which broadcasts each call (name and arguments)
 before making it; ranks > 0 run `follow`, which receives and repeats them until told to stop. The mirrored
-calls are the trainer's own (`step`, `full_state`, `load_full`), its checkpoints' (`checkpoints.<call>`,
-`workers.checkpoints.trainer_state`) and the supervised warm-up (`warm_up`, `workers.training.warmup`).
+calls are the trainer's own (`step`, `full_state`, `adapter_state`, `load_full`), its checkpoints'
+(`checkpoints.<call>`, `workers.checkpoints.trainer_state`) and the supervised warm-up (`warm_up`,
+`workers.training.warmup`).
 
 On several nodes (`trainer.distributed.nnodes` > 1) nothing changes but the world: torchrun's c10d rendezvous
 numbers the nodes, RANK is global (the one rank 0 of all nodes drives, wherever it landed) and
@@ -46,6 +47,7 @@ def _checkpoint_call(name: str) -> Callable[..., Any]:
 MIRRORED: dict[str, Callable[..., Any]] = {
     "step": lambda trainer, *args: trainer.step(*args),
     "full_state": lambda trainer: trainer.full_state(),
+    "adapter_state": lambda trainer: trainer.adapter_state(),
     "load_full": lambda trainer, state: trainer.load_full(state),
     "warmup": lambda trainer, items: _run_warmup(trainer, items),
     **{

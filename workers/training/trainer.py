@@ -68,6 +68,8 @@ from workers.training.ranks import ranks_for
 from workers.training.routing_replay import TrainerRouting
 from workers.training.sft_mix import sft_mix_for
 from workers.training.step_metrics import StepSums, UpdateSums, batch_metrics
+from workers.weights.adapter import adapter_params, in_model, inject, published, split
+from workers.weights.adapter_wire import base_digest
 
 log = get_logger(__name__)
 
@@ -88,6 +90,10 @@ class PolicyTrainer:
         """`prompter`: a multimodal policy's processor (`workers.training.media_policy`), None for a text one."""
         if self.prompter is not None:
             self.prompter.media_root = task_media_root(config.task)  # local media files: the task's directory only
+        self.lora = cfg.lora
+        """`trainer.lora`: the base frozen, only the adapter trains, and is what versions after v0 publish."""
+        if self.lora is not None:
+            inject(model, self.lora)  # before sharding and the optimizer: they see the adapter's parameters
         self.model = model.to(self.device)
         if self.prompter is not None and (self.world > 1 or cfg.moe.routing_replay != "off"):
             raise ValueError(
@@ -102,6 +108,8 @@ class PolicyTrainer:
         if cfg.compute.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
+        self.base_digest = None if self.lora is None else base_digest(split(published(self.model.state_dict()))[0])
+        """With LoRA: the frozen base's digest (every rank, before sharding), which whole checkpoints carry."""
         self.ranks.shard(self.model)
         replay = cfg.moe.routing_replay
         self.routing = None if replay == "off" else TrainerRouting(self.model, replay, cfg.moe.metrics_fraction)
@@ -129,7 +137,9 @@ class PolicyTrainer:
         self.scheduler = make_scheduler(
             self.optimizer, cfg.schedule.kind, cfg.schedule.warmup_updates, updates, cfg.schedule.min_lr_ratio
         )
-        self.checkpoints = TrainerCheckpoints(self.model, self.optimizer, self.scheduler, self.rank, self.world)
+        self.checkpoints = TrainerCheckpoints(
+            self.model, self.optimizer, self.scheduler, self.rank, self.world, self.base_digest
+        )
         """Model, optimizer and schedule in and out (`workers.checkpoints`)."""
         self.sft = sft_mix_for(self)
         """The supervised term of each update (`trainer.sft`; `workers.training.sft_mix`), or none."""
@@ -139,12 +149,23 @@ class PolicyTrainer:
         return self.ranks.autocast()
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """The whole model on CPU (a collective: every rank calls it; rank 0 gets the tensors)."""
-        return self.ranks.full_state(self.model)
+        """The whole model on CPU (a collective: every rank calls it; rank 0 gets the tensors); with LoRA under the
+        published names (`workers.weights.adapter`: the base's own names, the adapter's `lora_A.weight`)."""
+        state = self.ranks.full_state(self.model)
+        return state if self.lora is None else published(state)
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """With LoRA, the adapter's tensors on CPU under their published names, in tensors of their own (what a
+        version after v0 publishes; a collective under FSDP2, whose every rank gathers each parameter)."""
+        params = adapter_params(self.model)
+        return {
+            k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to("cpu", copy=True)
+            for k, p in params.items()
+        }
 
     def load_full(self, state: dict[str, torch.Tensor]) -> None:
         """Load a full (unsharded) state dict, e.g. the published v0 weights (a collective)."""
-        self.ranks.load_full(self.model, state)
+        self.ranks.load_full(self.model, state if self.lora is None else in_model(state, self.model))
 
     def untrainable(self, group: TrainGroup) -> str | None:
         """Why `group` cannot go into a step (`workers.training.batch.untrainable`, and R3's routing), or None."""

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from relax_bus.bus import Bus
+from workers.weights.adapter_wire import AdapterTransport
 from workers.weights.broadcast import BroadcastTransport
 from workers.weights.files import FilesystemTransport, SharedMemoryTransport
 from workers.weights.object_store import ObjectStoreTransport
@@ -25,9 +26,11 @@ TRANSPORTS: dict[str, Callable[[Bus, Any], WeightTransport]] = {
 
 
 def make_transport(bus: Bus) -> WeightTransport:
-    """The weight transport the run config names (`weights:`), behind the delta / bfloat16 wire when asked for."""
+    """The weight transport the run config names (`weights:`), behind the delta / bfloat16 wire when asked for, and
+    behind the adapter versions of a LoRA run (`trainer.lora`: the base once, then adapters only)."""
     cfg = bus.config.weights
-    transport = TRANSPORTS[cfg.type](bus, cfg)
-    if not cfg.delta and cfg.wire_dtype == "float32":
-        return transport
-    return WireTransport(transport, cfg.delta, cfg.wire_dtype)
+    transport: WeightTransport = TRANSPORTS[cfg.type](bus, cfg)
+    if cfg.delta or cfg.wire_dtype != "float32":
+        transport = WireTransport(transport, cfg.delta, cfg.wire_dtype)
+    lora = bus.config.trainer.lora
+    return transport if lora is None else AdapterTransport(transport, lora)
