@@ -56,6 +56,8 @@ def _default(field: FieldInfo) -> str:
 
 def _type_name(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:  # a type with its validators (`workers.config.paths.ConfigPath`): the type
+        return _type_name(typing.get_args(annotation)[0])
     if origin is typing.Literal:
         return " \\| ".join(f"`{a}`" for a in typing.get_args(annotation))
     if origin in (typing.Union, types.UnionType):
