@@ -2,14 +2,15 @@
 
 `relax_bus.overrides.load_with_overrides` validates a config file with the context `{"config_dir": <the file's
 directory, absolute>}`; the fields typed `ConfigPath` here turn a relative path into an absolute one under it at
-validation, so the config `relax init` stores in the run's KV (and every role validates again from there) holds
-absolute paths, and every role on every machine reads the same files. Absolute paths and `~/...` are kept as they
-are; a mapping validated without a file (`parse_config`) keeps its relative paths (read from the working
-directory).
+validation (normalised: `..` is folded), so the config `relax init` stores in the run's KV (and every role
+validates again from there) holds absolute paths, and every role on every machine reads the same files. Absolute
+paths and `~/...` are kept as they are; a mapping validated without a file (`parse_config`) keeps its relative
+paths (read from the working directory).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Annotated
@@ -42,7 +43,7 @@ def resolve(path: str, info: ValidationInfo) -> str:
     base = config_dir(info)
     if base is None or path.startswith("~") or Path(path).is_absolute():
         return path
-    return str(base / path)
+    return os.path.normpath(base / path)  # `../models/m` as `/repo/models/m`
 
 
 def resolve_if_present(path: str, info: ValidationInfo) -> str:
