@@ -137,7 +137,8 @@ def load_with_overrides(
     """Read a config file, set the dotted `overrides` in it, and validate the result as `model`.
 
     Every problem, the overrides' included, is one line of one ConfigError, named after the file (and
-    the overrides, when there are any)."""
+    the overrides, when there are any). The validation context `{"config_dir": ...}` is the file's directory,
+    absolute: the fields that are paths read a relative one from there (the pipeline's config types them so)."""
     data = apply_overrides(read_config_mapping(path), overrides or {})
     source = f"{path} with {SOURCE}" if overrides else str(path)
-    return parse_run_config(data, source, model)
+    return parse_run_config(data, source, model, {"config_dir": str(Path(path).resolve().parent)})

@@ -401,10 +401,12 @@ def parse_run_config(
     data: dict[str, Any],
     source: str = "<config>",
     model: type[C] = RunConfig,  # type: ignore[assignment]
+    context: dict[str, Any] | None = None,
 ) -> C:
-    """Validate a run config mapping as `model`; raise ConfigError listing every problem."""
+    """Validate a run config mapping as `model` (with pydantic's validation `context`); raise ConfigError listing
+    every problem."""
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context=context)
     except ValidationError as err:
         raise ConfigError(source, validation_problems(err)) from None
 

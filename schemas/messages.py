@@ -32,9 +32,9 @@ from schemas.parts import Part
 from schemas.scoring import Judgement, RewardDetail
 from schemas.tensor import WireTensor
 
-SCHEMA_VERSION = "1.7"  # 1.1: PromptGroup.history; 1.2: Sample.routed_experts; 1.3: Sample.version_spans;
+SCHEMA_VERSION = "1.8"  # 1.1: PromptGroup.history; 1.2: Sample.routed_experts; 1.3: Sample.version_spans;
 # 1.4: Sample.loss_mask and Sample.episode, ChatTurn role "tool"; 1.5: TrainGroup.teacher_logprobs;
-# 1.6: Metric.samples; 1.7: RolloutGroup.judgements, RewardDetail.checks
+# 1.6: Metric.samples; 1.7: RolloutGroup.judgements, RewardDetail.checks; 1.8: PromptGroup.columns
 SCHEMA_MAJOR = 1
 
 _ID = r"^[A-Za-z0-9_.:-]{1,200}$"
@@ -111,6 +111,8 @@ class PromptGroup(Message):
     """Task name, used to pick the reward function."""
     metadata: dict[str, Scalar] = Field(default_factory=dict)
     """Free-form scalars carried along to the trainer's records."""
+    columns: dict[str, Scalar] = Field(default_factory=dict)
+    """The dataset row's other columns (an `hf` task's), handed to the rewards that take them."""
 
     @property
     def prompt(self) -> PromptGroup:

@@ -56,7 +56,7 @@ def _default(field: FieldInfo) -> str:
 
 def _type_name(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
-    if origin is typing.Annotated:
+    if origin is typing.Annotated:  # a type with its validators (`ConfigPath`, `ByteCount`): the type
         return _type_name(typing.get_args(annotation)[0])
     if annotation is ByteSize:
         return "bytes (int or `256MiB`)"

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from relax_bus.control import Reject
 from relax_bus.worker import WorkerOptions
 from schemas import TextPart, TrainGroup, WireTensor
 from tests import factories as f
@@ -15,7 +16,7 @@ from tests.bus.test_auth import provisioned, secured_server
 from tests.bus.test_publish import read_all
 from tests.conftest import run_config
 from workers.config import task_seed, task_spec
-from workers.data.tasks import load_task
+from workers.data.tasks import TaskItem, load_task
 from workers.roles.feeder import group_for
 from workers.roles.reward import TrustedTask, reward_worker
 
@@ -72,3 +73,12 @@ async def test_a_rollout_whose_text_and_token_ids_disagree_is_scored_by_its_ids(
         assert scored.rewards[1] == 1.0, "the honest sample says the answer in its ids and its text"
         assert scored.rewards[0] == 0.0, f"ids {forged.token_ids.to_values()} were scored as {right!r}"
         assert scored.rollout.samples[0].text == "\x07" * (len(right) + 1), "the text trained is the text scored"
+
+
+def test_rewritten_columns_are_refused_like_a_rewritten_answer():
+    items = [TaskItem((TextPart(text="2+2="),), "4", "hf", 0, columns={"level": 1})]
+    task = TrustedTask(items, None)
+    honest = group_for("r", 2, items, 0, 0)
+    assert honest.columns == {"level": 1} and task.answer(honest) == "4"
+    with pytest.raises(Reject, match="columns differ"):
+        task.answer(honest.model_copy(update={"columns": {"level": 9}}))

@@ -52,3 +52,28 @@ def length_credit(completion: str, answer: str | None, finish_reason: str) -> fl
 def tool_value(completion: str, answer: str | None, finish_reason: str) -> object:
     """A tool's result of the kind the completion names: JSON (`list`) or not (`set`, `nan`)."""
     return {"list": [1, "a", None, {"b": True}], "set": {1}, "nan": float("nan")}[completion]
+
+
+def with_prompt(completion: str, answer: str | None, finish_reason: str, prompt: str, difficulty: int) -> float:
+    """The per-sample form asking for the prompt and a column: 1.0 when the completion repeats the prompt's last
+    word, scaled by the difficulty column."""
+    return float(completion == prompt.split()[-1]) * difficulty
+
+
+def batch_length(completions: list[str], prompts: list[str], answers: list[str | None], **columns: list) -> list[float]:
+    """The batched form: each completion's length divided by its `scale` column (a check that columns arrive as
+    lists, one value per completion)."""
+    assert all(len(v) == len(completions) for v in columns.values()), columns
+    assert len(prompts) == len(answers) == len(completions)
+    return [len(c) / columns["scale"][i] for i, c in enumerate(completions)]
+
+
+def batch_short(completions: list[str], prompts: list[str], answers: list[str | None]) -> list[float]:
+    """Returns one value too few: a failure of every sample of the group."""
+    return [1.0] * (len(completions) - 1)
+
+
+def batch_hangs(completions: list[str], prompts: list[str], answers: list[str | None]) -> list[float]:
+    """Sleeps far past any timeout."""
+    time.sleep(1000)
+    return [1.0] * len(completions)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import huggingface_hub.constants
 import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedModel
 
 from tests.workers.test_engine_contract import prompts_of
+from workers.config.hub import HubSettings
 from workers.data.models import load_model, load_tokenizer, materialize
 from workers.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, build_byte_tokenizer
 from workers.engines.base import SamplingSettings, make_engine
@@ -96,8 +96,9 @@ def test_materialize_rejects_bad_sources_clearly(tmp_path: Path, monkeypatch: py
     materialize("tiny:64x1", tmp_path / "m", seed=0)
     with pytest.raises(ValueError, match="already holds another model"):
         materialize("tiny:64x1", tmp_path / "m", seed=1)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(ValueError, match="HF_HUB_OFFLINE"):
+    offline = HubSettings(hf_hub_offline=True, hf_hub_cache=tmp_path / "hub")
+    monkeypatch.setattr("workers.data.hub_snapshot.hub_settings", lambda: offline)
+    with pytest.raises(ValueError, match=r"^hf:nobody/no-such-model@main is not in the Hugging Face cache .*OFFLINE"):
         materialize("hf:nobody/no-such-model", tmp_path / "hf")
 
 

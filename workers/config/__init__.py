@@ -151,8 +151,10 @@ class ModelConfig(Section):
     """`{type: tiny, hidden: 128, layers: 2}` (a small Llama built in code), `{type: tiny-moe}` (a small Qwen3-MoE,
     8 experts, top-2; docs/r3.md), `{type: tiny-omni}` (a Qwen2.5-Omni thinker with its processor: text, image,
     audio and video; docs/omni.md), `{type: dir, path: ...}` (a local Hugging Face directory) or `{type: hf, id:
-    ..., revision: ...}` (machines with hub access). Strings are shorthand: `tiny`, `tiny:<hidden>x<layers>`,
-    `tiny-moe`, `tiny-omni`, `hf:<repo>[@<revision>]`, anything else a directory."""
+    ..., revision: ..., cache_dir: ...}` (a hub repo, `snapshot_download`ed once into the hub cache that every role
+    and vLLM load from). Strings are shorthand: `tiny`, `tiny:<hidden>x<layers>`, `tiny-moe`, `tiny-omni`,
+    `hf:<repo>[@<revision>]`, `org/name` (a hub id when no such directory is there), anything else a directory
+    (relative: to the config file's directory)."""
     seed: int = 0
     """Seed of the initial weights of a built-in model."""
     prompt_format: Literal["auto", "chat", "raw"] = "auto"

@@ -10,6 +10,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from relax_bus.settings import ByteCount
 from schemas.bounded import MAX_SAMPLE_TEXT, MAX_STEP_SAMPLES
 from workers.config.base import Section
+from workers.config.paths import ConfigPath
 
 
 class WandbConfig(Section):
@@ -60,8 +61,9 @@ class MetricsConfig(Section):
 
     enabled: bool = True
     """Whether the run has a metrics role (`relax run` starts it)."""
-    out_dir: str | None = None
-    """Directory of the file sinks (`metrics.jsonl`, `tensorboard/`, `wandb/`); null: `<work-dir>/<run>/metrics`
+    out_dir: ConfigPath | None = None
+    """Directory of the file sinks (`metrics.jsonl`, `tensorboard/`, `wandb/`; relative: to the config file's
+    directory); null: `<work-dir>/<run>/metrics`
     of the metrics process, and for `relax run` the run directory."""
     jsonl: bool = True
     """Write `metrics.jsonl`: one JSON object per step (`step`, `at` and every value)."""

@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from workers.config.base import Section
+from workers.config.paths import resolve
 
 
 class _Reward(Section):
@@ -171,9 +172,18 @@ class PythonOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="allow", use_attribute_docstrings=True)
 
-    function: str = Field(pattern=r"^[\w.]+:[\w.]+$")
-    """`module:callable`, importable where the reward role runs: `fn(completion, answer, finish_reason,
-    **options) -> float | dict[str, float]`."""
+    function: str = Field(pattern=r"^([\w.]+|[^:]+\.py):[\w.]+$")
+    """`module:callable`, importable where the reward role runs, or `path/to/file.py:callable` (relative: to the
+    config file's directory). Per sample: `fn(completion, answer, finish_reason, **options) -> float | dict[str,
+    float]`, also given `prompt=` and the item's `columns` as keyword arguments when it declares them (or takes
+    `**kwargs`); with `batched: true`, once per group: `fn(completions, prompts, answers, **columns, **options) ->
+    list[float]` (docs/bring-your-own.md)."""
+
+    @field_validator("function")
+    @classmethod
+    def _file_from_config_dir(cls, function: str, info: ValidationInfo) -> str:
+        module, _, name = function.rpartition(":")
+        return f"{resolve(module, info)}:{name}" if module.endswith(".py") else function
 
 
 class PythonReward(_Reward):
@@ -182,8 +192,13 @@ class PythonReward(_Reward):
     type: Literal["python"]
     options: PythonOptions
     """`function` and its keyword arguments."""
+    batched: bool = False
+    """Call the function once per group with lists, `fn(completions, prompts, answers, **columns, **options) ->
+    list[float]` (each column a list too, one value per sample; also `finish_reasons=` when it declares it); false:
+    once per sample."""
     timeout_s: float = Field(default=5.0, gt=0)
-    """A call running longer than this scores 0 with the error recorded (the child is restarted)."""
+    """A call running longer than this (a batched one: the whole group's call) fails with the error recorded: its
+    samples are left out of training and counted, never scored 0 (the child is restarted)."""
     sandbox: _Sandbox = Field(default_factory=RewardSandbox)
     """Limits and isolation of the child process it runs in; `unisolated` is short for `{isolation: unisolated}`."""
 

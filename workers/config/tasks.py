@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from workers.config.base import Section
+from workers.config.paths import ConfigPath, PathOrHubId
 
 
 class AdditionOptions(Section):
@@ -48,23 +49,28 @@ class ReverseOptions(Section):
 class JsonlOptions(Section):
     """One prompt per line of a JSONL file (text or image/audio/video parts, optional answer)."""
 
-    path: str = Field(min_length=1)
-    """The file, on every machine that runs the feeder (relative paths: to the worker's directory)."""
+    path: ConfigPath = Field(min_length=1)
+    """The file, on every machine that runs the feeder (relative paths: to the config file's directory)."""
     task: str = Field(default="jsonl", min_length=1)
     """Task name recorded with each item (it selects the default reward)."""
     limit: int | None = Field(default=None, ge=1)
     """Keep only the first `limit` lines."""
-    media_root: str | None = Field(default=None, min_length=1)
+    media_root: ConfigPath | None = Field(default=None, min_length=1)
     """The one directory media `path`s and `file://` URIs are read from (null: the file's own directory); a
     device, a non-regular file or anything outside it (`..`, a symlink out) is refused."""
 
 
 class HfOptions(Section):
-    """A local dataset read with Hugging Face `datasets` (no hub access)."""
+    """A dataset read with Hugging Face `datasets`: a local file or directory, or a hub dataset id."""
 
-    path: str = Field(min_length=1)
-    """A .parquet, .jsonl/.json, .csv or .arrow file, or a `save_to_disk` directory, on every machine that runs
-    the feeder (relative paths: to the worker's directory)."""
+    path: PathOrHubId = Field(min_length=1)
+    """A .parquet, .jsonl/.json, .csv or .arrow file, a directory of such files, a `save_to_disk` directory (relative
+    paths: to the config file's directory), or a hub dataset id `org/name`, materialised once with
+    `snapshot_download(repo_type="dataset")` into the hub cache and read from there (offline: from the cache)."""
+    revision: str | None = Field(default=None, min_length=1)
+    """A hub dataset's branch, tag or commit; null: `main` (ignored for a local path)."""
+    cache_dir: ConfigPath | None = Field(default=None, min_length=1)
+    """The hub cache a hub dataset is downloaded into; null: the Hugging Face cache (`HF_HUB_CACHE`)."""
     split: str = "train"
     """The split to read (a file is read as this split)."""
     prompt_field: str = "prompt"
@@ -84,6 +90,10 @@ class HfOptions(Section):
     """Shuffle the rows once with this seed (None: file order)."""
     limit: int | None = Field(default=None, ge=1)
     """Keep only the first `limit` rows (after shuffling)."""
+    columns: list[str] | Literal["all"] = "all"
+    """The row's other columns each prompt carries to the rewards (`columns` of a `python` reward): `all` (every
+    column but the prompt's and the answer's whose value is text, a number, a bool or null), or a list of names
+    (a row lacking one is refused)."""
 
     @model_validator(mode="after")
     def _regex_compiles(self) -> HfOptions:

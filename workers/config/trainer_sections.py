@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from workers.config.base import Section
+from workers.config.paths import ConfigPath
 
 
 class OptimConfig(Section):
@@ -40,11 +41,12 @@ class CheckpointConfig(Section):
     """Steps between checkpoints (model, optimizer, step, settled group ids, ack floor)."""
     keep: int = Field(default=5, ge=1)
     """Newest checkpoints kept besides step 0's; `relax replay` starts from one at or before the step."""
-    dir: str | None = None
-    """Directory for sharded checkpoints: every trainer rank writes its own shards (safetensors through
-    torch.distributed.checkpoint, in the background) under `<dir>/<run>/ckpt-<step>`, and a restart on any number
-    of ranks reads them back. Several nodes need a filesystem they all mount there. Null: each checkpoint is
-    gathered on rank 0 and stored whole in the weights object store."""
+    dir: ConfigPath | None = None
+    """Directory for sharded checkpoints (relative: to the config file's directory): every trainer rank writes its
+    own shards (safetensors through torch.distributed.checkpoint, in the background) under
+    `<dir>/<run>/ckpt-<step>`, and a restart on any number of ranks reads them back. Several nodes need a
+    filesystem they all mount there. Null: each checkpoint is gathered on rank 0 and stored whole in the weights
+    object store."""
 
 
 class DistributedConfig(Section):
@@ -133,10 +135,10 @@ class SftConfig(Section):
     """Supervised rows mixed into RL: every optimizer update adds `coef` x the mean token cross-entropy of
     `batch_size` examples' answers (prompt tokens masked) to its RL loss (docs/algorithms.md)."""
 
-    dataset: str = Field(min_length=1)
+    dataset: ConfigPath = Field(min_length=1)
     """A JSONL file of examples, one per line: `{"prompt": ..., "answer": ...}` (a `jsonl` task's line with its
     answer) or `{"messages": [...]}` ending in the assistant's answer; on every machine that runs a trainer rank
-    (relative paths: to the worker's directory). A missing, empty or bad file is refused before the run starts."""
+    (relative paths: to the config file's directory). A missing, empty or bad file is refused before the run starts."""
     coef: float = Field(default=0.1, gt=0)
     """Weight of the supervised loss against the RL loss of each update."""
     batch_size: int = Field(default=8, ge=1)

@@ -10,20 +10,17 @@ Known sources (each with its shorthand string):
 - `tiny-omni`: a tiny Qwen2.5-Omni thinker (text, image, video, audio) with its processor, built in code
   (`workers.omni.tiny`); load it with `workers.omni.loading.load_omni`.
 - `dir`: an existing local directory holding `config.json`, used as is.
-- `hf` (`"hf:<repo id>[@<revision>]"`): nothing is downloaded here; the directory records the repo id and
-  revision, and `load_model` / `load_tokenizer` call `from_pretrained(repo id, revision=...)` later.
+- `hf` (`"hf:<repo id>[@<revision>]"`, or a bare `"org/name"`): `snapshot_download` into the hub cache
+  (`workers.data.hub_snapshot`), once; the snapshot directory is what every role and vLLM load, so they all read
+  the same files (with `HF_HUB_OFFLINE=1` it must be in the cache already).
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import huggingface_hub
-import huggingface_hub.constants
 import torch
 from pydantic import BaseModel, TypeAdapter
 from transformers import (
@@ -47,12 +44,13 @@ from workers.config.model_source import (
     TinySource,
 )
 from workers.data.byte_text import BYTE_SOURCES
-from workers.data.model_build import SOURCE_FILE, TINY_POSITIONS, build_in_code
+from workers.data.hub_snapshot import snapshot
+from workers.data.model_build import TINY_POSITIONS, build_in_code
 from workers.data.tokenizer import SPECIAL_IDS, build_byte_tokenizer
 
 KNOWN_SOURCES = (
-    "'tiny', 'tiny:<hidden>x<layers>' (e.g. 'tiny:128x2'), 'tiny-moe', 'tiny-omni', 'hf:<repo id>', "
-    "or a local model directory"
+    "'tiny', 'tiny:<hidden>x<layers>' (e.g. 'tiny:128x2'), 'tiny-moe', 'tiny-omni', 'hf:<repo id>', 'org/name' "
+    "(a hub id), or a local model directory"
 )
 FAMILIES: dict[str, str] = {
     "tiny-moe": "workers.moe.tiny:build_tiny_moe",
@@ -71,7 +69,8 @@ def as_source(source: AnySource | str) -> AnySource:
 
 
 def materialize(source: AnySource | str, target_dir: Path, seed: int = 0) -> Path:
-    """Return a directory holding the model and tokenizer named by `source` (building it if needed)."""
+    """Return a directory holding the model and tokenizer named by `source` (building or downloading it if needed;
+    a hub repo's directory is its snapshot in the hub cache, not under `target_dir`)."""
     source = as_source(source)
     if isinstance(source, TinySource):
         return _build_tiny(source.hidden, source.layers, Path(target_dir), seed)
@@ -80,7 +79,7 @@ def materialize(source: AnySource | str, target_dir: Path, seed: int = 0) -> Pat
         build: Callable[[Path, int], Path] = getattr(importlib.import_module(module), name)
         return build(Path(target_dir), seed)
     if isinstance(source, HfSource):
-        return _point_at_hub(source, Path(target_dir))
+        return snapshot(source.id, source.revision, source.cache_dir)
     assert isinstance(source, DirSource)
     path = Path(source.path).expanduser()
     if not path.is_dir():
@@ -112,15 +111,15 @@ def tiny_config(hidden: int = 128, layers: int = 2) -> LlamaConfig:
 
 def load_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """Load the causal LM in `model_dir` in eval mode with eager attention."""
-    name, revision = _resolve(Path(model_dir))
+    name = _model_dir(Path(model_dir))
     hf_logging.disable_progress_bar()  # tqdm bars would interleave with the structured log lines
-    model = _from_pretrained(AutoModelForCausalLM, name, revision, dtype=dtype, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="eager")
     return model.eval()  # type: ignore[no-any-return]
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     """Load the tokenizer saved next to the model in `model_dir`."""
-    return _from_pretrained(AutoTokenizer, *_resolve(Path(model_dir)))  # type: ignore[no-any-return]
+    return AutoTokenizer.from_pretrained(_model_dir(Path(model_dir)))  # type: ignore[no-any-return]
 
 
 def _build_tiny(hidden: int, layers: int, target_dir: Path, seed: int) -> Path:
@@ -131,41 +130,11 @@ def _build_tiny(hidden: int, layers: int, target_dir: Path, seed: int) -> Path:
     )
 
 
-def _point_at_hub(source: HfSource, target_dir: Path) -> Path:
-    """Record a hub repo id (and revision) in `target_dir`; refuse at once when the hub is off and the repo is not
-    cached."""
-    cached = huggingface_hub.try_to_load_from_cache(source.id, "config.json", revision=source.revision)
-    if huggingface_hub.constants.HF_HUB_OFFLINE and not isinstance(cached, str):
-        raise ValueError(f"model source {source.shorthand()} needs the Hugging Face hub, but HF_HUB_OFFLINE is set")
-    target_dir.mkdir(parents=True, exist_ok=True)
-    (target_dir / SOURCE_FILE).write_text(json.dumps({"source": f"hf:{source.id}", "revision": source.revision}))
-    return target_dir
-
-
-def _resolve(model_dir: Path) -> tuple[str, str | None]:
-    """The name and revision to hand to `from_pretrained`: the directory itself, or the hub repo id (and revision)
-    it records."""
-    marker = model_dir / SOURCE_FILE
-    if marker.is_file() and not (model_dir / "config.json").is_file():
-        record = json.loads(marker.read_text())
-        source = record["source"]
-        if isinstance(source, str) and source.startswith("hf:"):
-            return source.removeprefix("hf:"), record.get("revision")
+def _model_dir(model_dir: Path) -> str:
+    """`model_dir` as `from_pretrained` takes it; ValueError when it holds no model."""
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"model directory {model_dir} has no config.json; build it with materialize()")
-    return str(model_dir), None
-
-
-def _from_pretrained(loader: Any, name: str, revision: str | None = None, **kwargs: Any) -> Any:
-    """Call `loader.from_pretrained(name)`, turning an unreachable hub repo into a one-line ValueError."""
-    if revision is not None:
-        kwargs["revision"] = revision
-    try:
-        return loader.from_pretrained(name, **kwargs)
-    except OSError as err:
-        if Path(name).is_dir():
-            raise
-        raise ValueError(f"cannot load hf:{name} (hub unreachable or repo unknown): {err}") from err
+    return str(model_dir)
 
 
 def source_tokenizer(source: AnySource | str, cache_dir: Path | None = None, seed: int = 0) -> PreTrainedTokenizerBase:
@@ -174,10 +143,8 @@ def source_tokenizer(source: AnySource | str, cache_dir: Path | None = None, see
     source = as_source(source)
     if source.type in BYTE_SOURCES:
         return build_byte_tokenizer()
-    if isinstance(source, HfSource):
-        return _from_pretrained(AutoTokenizer, source.id, source.revision)  # type: ignore[no-any-return]
-    if isinstance(source, DirSource):
-        return load_tokenizer(materialize(source, Path(".")))  # a directory is used as is: nothing is written
+    if isinstance(source, HfSource | DirSource):  # nothing is written: a snapshot in the hub cache, or a directory
+        return load_tokenizer(materialize(source, Path(".")))
     if cache_dir is None:
         raise ValueError(f"the tokenizer of a {source.type} model is built with it: a cache directory is needed")
     return load_tokenizer(materialize(source, Path(cache_dir) / "base", seed))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from schemas import ChatTurn
 from schemas.parts import Part
@@ -30,6 +31,8 @@ class TaskItem:
     demos: tuple[Demo, ...] = ()
     """Warm-up demonstrations of an agentic task: the first is clean, the others are what `label_noise` mixes in;
     empty: the warm-up trains on `answer`."""
+    columns: Mapping[str, str | int | float | bool | None] = field(default_factory=dict)
+    """The dataset row's other columns, carried with the prompt to the rewards (`PromptGroup.columns`)."""
 
 
 def report_errors(where: str, unit: str, errors: list[tuple[int, str]]) -> str:

@@ -2,14 +2,16 @@
 
 Built-in types: `addition` and `reverse` (synthetic, verifiable, small enough for a tiny model),
 `jsonl` (one prompt per line, with optional image/audio/video parts; `workers.data.jsonl_task`), `hf` (a
-local dataset file or directory through Hugging Face `datasets`: parquet, JSON Lines, CSV, arrow, or a
-`save_to_disk` directory, with field mapping) and `omni` (image, audio and video questions generated in code:
+dataset through Hugging Face `datasets`: a parquet, JSON Lines, CSV or arrow file, a directory of them, a
+`save_to_disk` directory, or a hub dataset id from the hub cache; with field mapping, and the row's other columns
+carried to the rewards) and `omni` (image, audio and video questions generated in code:
 `workers.omni.tasks.omni_task`).
 Adding a type is one loader function plus one line in `TASKS`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -23,6 +25,7 @@ from pydantic import ValidationError
 
 from schemas import ChatTurn
 from schemas.parts import Part, TextPart
+from workers.config.paths import looks_like_hub_id
 from workers.data.jsonl_task import jsonl
 from workers.data.task_items import TaskItem, check_limit, report_errors
 
@@ -100,19 +103,27 @@ def hf(
     seed: int | None = None,
     limit: int | None = None,
     messages_field: str | None = None,
+    revision: str | None = None,
+    cache_dir: str | Path | None = None,
+    columns: list[str] | str = "all",
 ) -> list[TaskItem]:
-    """Rows of a local dataset as text prompts; every row that cannot be used is reported at once.
+    """Rows of a dataset as text prompts; every row that cannot be used is reported at once.
+
+    `path` is a local file or directory, or a hub dataset id (`org/name`, at `revision`) materialised in the hub
+    cache (`cache_dir`, default the Hugging Face cache) with `snapshot_download`.
 
     The prompt is `template.format(**row)` when a template is given, else the row's `prompt_field`; with
     `messages_field`, the row's conversation (a list of `{role, content}`): its last user turn is the prompt
     and the turns before it the history (turns after it are ignored). The answer is the row's `answer_field`
     (null: no answer), or the first group of `answer_regex` in it (GSM8K's `#### 18` is
-    `answer_regex: "####\\s*(.+)"`). `seed` shuffles the rows once.
+    `answer_regex: "####\\s*(.+)"`). `seed` shuffles the rows once. Each item carries the row's other
+    `columns` (`all`: those with a scalar value, or the ones named).
     """
     import re
 
     check_limit("hf", limit)
-    rows = _hf_rows(Path(path), split)
+    rows = _hf_rows(_dataset_path(str(path), revision, cache_dir), split)
+    used = {prompt_field, answer_field, messages_field} if template is None else {answer_field, messages_field}
     pattern = re.compile(answer_regex) if answer_regex else None
     items: list[TaskItem] = []
     errors: list[tuple[int, str]] = []
@@ -124,10 +135,11 @@ def hf(
             else:
                 text = _hf_prompt(row, prompt_field, template)
             answer = None if answer_field is None else _hf_answer(row, answer_field, pattern)
+            extra = _hf_columns(row, columns, used)
         except ValueError as err:
             errors.append((i, str(err)))
             continue
-        items.append(TaskItem((TextPart(text=text),), answer, task, len(items), history))
+        items.append(TaskItem((TextPart(text=text),), answer, task, len(items), history, columns=extra))
     if errors:
         raise ValueError(report_errors(f"{path} ({split})", "row", errors))
     if not items:
@@ -135,8 +147,32 @@ def hf(
     if seed is not None:
         order = list(range(len(items)))
         random.Random(seed).shuffle(order)
-        items = [TaskItem(items[j].parts, items[j].answer, task, k, items[j].history) for k, j in enumerate(order)]
+        items = [dataclasses.replace(items[j], index=k) for k, j in enumerate(order)]
     return items[:limit]
+
+
+def _dataset_path(path: str, revision: str | None, cache_dir: str | Path | None) -> Path:
+    """A local dataset path as it is; a hub dataset id (`org/name`, nothing of that name here) as its snapshot
+    directory in the hub cache."""
+    local = Path(path).expanduser()
+    if local.exists() or not looks_like_hub_id(path):
+        return local
+    from workers.data.hub_snapshot import snapshot
+
+    return snapshot(path, revision, cache_dir, repo_type="dataset")
+
+
+def _hf_columns(row: dict[str, Any], columns: list[str] | str, used: set[str | None]) -> dict[str, Any]:
+    """The row's columns carried to the rewards: `all` of its scalar ones but `used`, or the named ones (each
+    required, and scalar)."""
+    scalar = str | int | float | bool | None
+    if columns == "all":
+        return {k: v for k, v in row.items() if k not in used and isinstance(v, scalar)}
+    if missing := [c for c in columns if c not in row]:
+        raise ValueError(f"no column {', '.join(map(repr, missing))} (fields: {', '.join(row)}); fix `columns`")
+    if wrong := [c for c in columns if not isinstance(row[c], scalar)]:
+        raise ValueError(f"column {', '.join(map(repr, wrong))} is not text, a number, a bool or null")
+    return {c: row[c] for c in columns}
 
 
 def _hf_rows(path: Path, split: str) -> list[dict[str, Any]]:
@@ -150,8 +186,10 @@ def _hf_rows(path: Path, split: str) -> list[dict[str, Any]]:
     if not path.exists():
         raise ValueError(f"hf task: no dataset at {str(path)!r}")
     try:
-        if path.is_dir():
+        if path.is_dir() and any((path / name).is_file() for name in ("dataset_dict.json", "state.json")):
             loaded: Any = datasets.load_from_disk(str(path))
+        elif path.is_dir():  # a directory of data files (a hub dataset's snapshot): `datasets` finds the splits
+            loaded = datasets.load_dataset(str(path))
         else:
             kind = _HF_FORMATS.get(path.suffix.lower())
             if kind is None:

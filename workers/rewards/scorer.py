@@ -1,8 +1,11 @@
 """Rewards as a registry, and the `Scorer` that applies a weighted list of them to one completion.
 
 A reward function is `fn(completion, answer, finish_reason, **options) -> float | dict[str, float]`;
-a dict is a set of named components whose sum is the reward. The scorer contains every fault: an
-exception becomes reward 0 with `error="<ExceptionType>: <message>"`. User code (`python` type) runs
+a dict is a set of named components whose sum is the reward. A `python` one may also declare `prompt` and the
+item's columns as keyword arguments, or be `batched`: `fn(completions, prompts, answers, **columns, **options)
+-> list[float]`, called once per group (`score_many`). The scorer contains every fault: an exception becomes
+reward 0 with `error="<ExceptionType>: <message>"`, and a sample with an error is left out of training. User code
+(`python` type) runs
 in a persistent sandboxed child process (`workers.rewards.sandbox.client`: scrubbed environment, rlimits,
 a lesser uid, its own process group and namespaces), one per distinct `sandbox` section, so a hung
 function is abandoned after its `timeout_s` (the whole sandbox is killed and restarted on the next
@@ -13,7 +16,7 @@ hang); the other built-ins are pure and fast, so they run in-process and are not
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any, NamedTuple
 
@@ -115,7 +118,8 @@ class Scorer:
             if (ref := _child_function(spec)) is not None:
                 assert isinstance(spec, PythonReward | MathReward)
                 functions.setdefault(spec.sandbox, []).append((ref, spec.call_options()))
-        self._sandboxes = {settings: Sandbox(fns, settings) for settings, fns in functions.items()}
+        batched = {s.options.function for s in self.specs if isinstance(s, PythonReward) and s.batched}
+        self._sandboxes = {settings: Sandbox(fns, settings, batched=batched) for settings, fns in functions.items()}
         """One sandbox per distinct `sandbox` section of the rewards that run user code."""
         try:
             for sandbox in self._sandboxes.values():
@@ -124,16 +128,49 @@ class Scorer:
             self.close()
             raise
 
-    def score(self, completion: str, answer: str | None, finish_reason: str) -> Score:
+    def score(
+        self,
+        completion: str,
+        answer: str | None,
+        finish_reason: str,
+        prompt: str | None = None,
+        columns: Mapping[str, Any] | None = None,
+    ) -> Score:
         """Weighted sum of every reward; reward 0 and the error text if any of them fails or times out."""
-        components: dict[str, float] = {}
+        return self.score_many([completion], answer, [finish_reason], prompt, columns)[0]
+
+    def score_many(
+        self,
+        completions: Sequence[str],
+        answer: str | None,
+        finish_reasons: Sequence[str],
+        prompt: str | None = None,
+        columns: Mapping[str, Any] | None = None,
+    ) -> list[Score]:
+        """`score` of each completion of one group (one prompt, answer and set of columns): a batched reward is
+        called once for them all, and its failure is every sample's error."""
+        count = len(completions)
+        columns = dict(columns or {})
+        values: list[list[RewardValue | str]] = []  # [rewards][samples]: a value, or the error text
         for spec in self.specs:
-            try:
-                value = self._call(spec, completion, answer, finish_reason)
-            except Exception as err:  # deliberate: a failing reward zeroes one sample, never the worker
-                error = str(err) if isinstance(err, RewardFailed) else describe(err)
-                log.debug("reward_failed", reward=spec.label, error=error)
-                return Score(0.0, {}, error)
+            if isinstance(spec, PythonReward) and spec.batched:
+                batch = _contained(spec, self._call_batch, spec, completions, answer, finish_reasons, prompt, columns)
+                values.append(list(batch) if isinstance(batch, list) else [batch] * count)
+                continue
+            values.append(
+                [
+                    _contained(spec, self._call, spec, c, answer, f, prompt, columns)
+                    for c, f in zip(completions, finish_reasons, strict=True)
+                ]
+            )
+        return [self._combine([v[i] for v in values]) for i in range(count)]
+
+    def _combine(self, values: list[RewardValue | str]) -> Score:
+        """One sample's Score from each reward's value (or error text), in the specs' order."""
+        components: dict[str, float] = {}
+        for spec, value in zip(self.specs, values, strict=True):
+            if isinstance(value, str):
+                return Score(0.0, {}, value)
             if isinstance(value, dict):
                 components.update({f"{spec.label}.{k}": spec.weight * v for k, v in value.items()})
             else:
@@ -151,13 +188,55 @@ class Scorer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, spec: AnyReward, completion: str, answer: str | None, finish_reason: str) -> RewardValue:
+    def _call_batch(
+        self,
+        spec: PythonReward,
+        completions: Sequence[str],
+        answer: str | None,
+        finish_reasons: Sequence[str],
+        prompt: str | None,
+        columns: Mapping[str, Any],
+    ) -> list[float]:
+        count = len(completions)
+        return self._sandboxes[spec.sandbox].call_batch(
+            spec.options.function,
+            completions,
+            [prompt or ""] * count,
+            [answer] * count,
+            finish_reasons,
+            {k: [v] * count for k, v in columns.items()},
+            spec.call_options(),
+            spec.timeout_s,
+        )
+
+    def _call(
+        self,
+        spec: AnyReward,
+        completion: str,
+        answer: str | None,
+        finish_reason: str,
+        prompt: str | None,
+        columns: Mapping[str, Any],
+    ) -> RewardValue:
         ref = _child_function(spec)
         if ref is not None:
             assert isinstance(spec, PythonReward | MathReward)
             sandbox = self._sandboxes[spec.sandbox]
-            return sandbox.call(ref, completion, answer, finish_reason, spec.call_options(), spec.timeout_s)
+            options = spec.call_options()
+            if isinstance(spec, MathReward):  # a built-in: its signature is fixed
+                return sandbox.call(ref, completion, answer, finish_reason, options, spec.timeout_s)
+            return sandbox.call(ref, completion, answer, finish_reason, options, spec.timeout_s, prompt, columns)
         return checked(BUILTINS[spec.type](completion, answer, finish_reason, **spec.call_options()))
+
+
+def _contained(spec: AnyReward, call: Callable[..., Any], *args: Any) -> Any:
+    """`call(*args)`'s value, or the error text of its failure (never raised)."""
+    try:
+        return call(*args)
+    except Exception as err:  # deliberate: a failing reward fails its samples, never the worker
+        error = str(err) if isinstance(err, RewardFailed) else describe(err)
+        log.debug("reward_failed", reward=spec.label, error=error)
+        return error
 
 
 def _child_function(spec: AnyReward) -> str | None:

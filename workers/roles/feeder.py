@@ -70,6 +70,7 @@ def group_for(
         epoch=epoch,
         index=item.index,
         task=item.task,
+        columns=dict(item.columns),
     )
 
 

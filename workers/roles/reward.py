@@ -34,7 +34,7 @@ from relax_bus.worker import Delivery, Worker, WorkerOptions
 from schemas import Judgement, PromptGroup, RewardDetail, RolloutGroup, RunEvent, Sample, ScoredGroup, TrainGroup
 from workers.config import PipelineConfig, task_seed, task_spec
 from workers.data.byte_text import BYTE_SOURCES, ByteDecoder
-from workers.data.tasks import TaskItem, load_task
+from workers.data.tasks import TaskItem, load_task, prompt_text
 from workers.omni.media_refs import by_reference
 from workers.rewards.scorer import Scorer, default_rewards
 from workers.roles.feeder import released_item
@@ -118,6 +118,7 @@ class TrustedTask:
                 ("prompt", by_reference(item.parts), prompt.parts),
                 ("history", item.history, prompt.history),
                 ("answer", item.answer, prompt.answer),
+                ("columns", dict(item.columns), prompt.columns),
             )
             if ours != theirs
         ]
@@ -138,8 +139,9 @@ def score_group(
     episode_reward: str = "rule",
     judged: Judged | None = None,
 ) -> ScoredGroup:
-    """Score each sample against `answer` (default: the one the message carries); failures are zero
-    rewards with the error in the details. With `tokenizer`, the text scored is decoded from the token ids
+    """Score each sample against `answer` (default: the one the message carries), with the prompt's text and its
+    item's columns for the rewards that take them (a batched reward: once for the group's samples); failures are
+    zero rewards with the error in the details. With `tokenizer`, the text scored is decoded from the token ids
     (`scored_text`), and a sample whose sent text differs carries the decoded one on. An episode is scored by
     its final answer and, as `episode_reward` (`agent.reward`) says, its environment reward. A group with the judge's
     verdicts adds `judged.weight x score` to each reward; a sample without a verdict gets an error (left out)."""
@@ -150,11 +152,18 @@ def score_group(
         differ = sum(a.text != b.text for a, b in zip(samples, group.samples, strict=True))
         log.warning("sample_text_replaced", group_id=group.group_id, samples=differ, source=group.worker_id)
         group = group.model_copy(update={"samples": samples})
+    prompt, columns = prompt_text(group.prompt.parts), group.prompt.columns
+    plain = [s for s in samples if s.episode is None]
+    scores = iter(
+        scorer.score_many([s.text for s in plain], answer, [s.finish_reason for s in plain], prompt, columns)
+        if scorer is not None and plain
+        else ()
+    )
     for i, sample in enumerate(samples):
         if scorer is None:  # the judge's score is the whole reward
             reward, components, error = 0.0, {}, None
         elif sample.episode is None:
-            reward, components, error = scorer.score(sample.text, answer, sample.finish_reason)
+            reward, components, error = next(scores)
         else:
             reward, components, error = _score_episode(scorer, sample, answer, tokenizer, episode_reward)
         checks: dict[str, float] = {}

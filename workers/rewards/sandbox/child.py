@@ -13,11 +13,16 @@ this package's own files runs before the confinement. Two processes:
     server      enters a mount namespace with a private read-only view of the filesystem
                 (`workers.rewards.sandbox.view`), drops privileges, sets its rlimits, then answers one
                 JSON line per request line:
-                  {"id", "op": "load", "ref", "options"}                      import and check a function
-                  {"id", "op": "call", "ref", "completion", "answer", "finish_reason", "options", "returns"?}
+                  {"id", "op": "load", "ref", "options", "batched"?}           import and check a function
+                  {"id", "op": "call", "ref", "completion", "answer", "finish_reason", "options", "returns"?,
+                   "prompt"?, "columns"?}
+                  {"id", "op": "batch", "ref", "completions", "prompts", "answers", "finish_reasons",
+                   "columns", "options"}                                       a batched reward, once per group
                 with {"id", "status": "ok" | "error" | "bad_options", "value" | "error", "retire"?}
                 A call's value is a float or a dict of floats (a reward), or, with `"returns": "json"`,
-                any JSON value (a tool's result, which its caller checks)
+                any JSON value (a tool's result, which its caller checks); a batch's is a list of floats,
+                one per completion. `prompt` and each column are passed as keyword arguments only to a
+                function that declares them (or takes `**kwargs`); an option of the same name wins
 
 The server's first line says what confinement it got ({"op": "ready", ...}) or why it has none
 ({"op": "failed", "error"}). `retire` asks the worker to replace it: it has used half its CPU budget.
@@ -40,8 +45,11 @@ import traceback
 from typing import Any, NoReturn
 
 from workers.rewards.sandbox import confine, memory, view
-from workers.rewards.values import RewardFn, checked, describe, import_function
+from workers.rewards.values import RewardFn, accepted, checked, checked_batch, describe, import_function
 
+_SAMPLE_ARGS = ("completion", "answer", "finish_reason")
+_BATCH_ARGS = ("completions", "prompts", "answers")
+"""The positional arguments of each form: a column of the same name is not passed again."""
 MAX_ERROR_CHARS = 2000
 """An error message longer than this is cut (a function may raise with a huge message)."""
 
@@ -172,10 +180,19 @@ def _answer(request: dict[str, Any], functions: dict[str, RewardFn]) -> dict[str
     try:
         if request["op"] == "load":
             functions[request["ref"]] = fn = import_function(request["ref"])
-            problem = _options_problem(fn, request["options"])
+            problem = _options_problem(fn, request["options"], request.get("batched", False))
             return {"status": "ok"} if problem is None else {"status": "bad_options", "error": problem}
         fn = functions[request["ref"]]
-        value = fn(request["completion"], request["answer"], request["finish_reason"], **request["options"])
+        options = request["options"]
+        if request["op"] == "batch":
+            extra = accepted(fn, {**request["columns"], "finish_reasons": request["finish_reasons"]})
+            extra = {k: v for k, v in extra.items() if k not in options and k not in _BATCH_ARGS}
+            completions = request["completions"]
+            value = fn(completions, request["prompts"], request["answers"], **extra, **options)
+            return {"status": "ok", "value": checked_batch(value, len(completions))}
+        extra = accepted(fn, {**request.get("columns", {}), "prompt": request.get("prompt")})
+        extra = {k: v for k, v in extra.items() if k not in options and k not in _SAMPLE_ARGS}
+        value = fn(request["completion"], request["answer"], request["finish_reason"], **extra, **options)
         if request.get("returns") == "json":
             json.dumps(value, allow_nan=False)  # what `_send` writes: refused here, as the function's error
             return {"status": "ok", "value": value}
@@ -184,14 +201,15 @@ def _answer(request: dict[str, Any], functions: dict[str, RewardFn]) -> dict[str
         return {"status": "error", "error": _describe(err)}
 
 
-def _options_problem(fn: RewardFn, options: dict[str, Any]) -> str | None:
-    """Why `fn` cannot be called with these options, or None (also when it has no signature to check)."""
+def _options_problem(fn: RewardFn, options: dict[str, Any], batched: bool = False) -> str | None:
+    """Why `fn` cannot be called with these options, or None (also when it has no signature to check). Partly
+    bound: the parameters left may be filled by `prompt` and the item's columns."""
     try:
         signature = inspect.signature(fn)
     except ValueError:  # some builtins have no signature to check
         return None
     try:
-        signature.bind("", None, "stop", **options)
+        signature.bind_partial(*(([], [], []) if batched else ("", None, "stop")), **options)
     except TypeError as err:
         return str(err)
     return None

@@ -29,14 +29,14 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
 
 from relax_bus.log import get_logger
 from workers.config.rewards import RewardSandbox
 from workers.rewards.sandbox.memory import EXIT_OUT_OF_MEMORY
 from workers.rewards.sandbox.process import MAX_REPLY_BYTES, LineTooLong, SandboxProcess
-from workers.rewards.values import RewardValue, checked, describe
+from workers.rewards.values import RewardValue, checked, checked_batch, code_dir, describe
 
 log = get_logger(__name__)
 
@@ -59,10 +59,17 @@ class Sandbox:
     """A persistent confined child that imports and runs user reward functions, one call at a time."""
 
     def __init__(
-        self, functions: Sequence[tuple[str, dict[str, Any]]], settings: RewardSandbox, *, owner: str = "reward"
+        self,
+        functions: Sequence[tuple[str, dict[str, Any]]],
+        settings: RewardSandbox,
+        *,
+        owner: str = "reward",
+        batched: Collection[str] = (),
     ) -> None:
         self._functions = list(functions)
         """`(module:callable, options)` of every function, loaded and checked on each start."""
+        self._batched = frozenset(batched)
+        """The functions of `functions` called once per group with lists (`call_batch`)."""
         self._settings = settings
         self._owner = owner
         """What the config section that holds the `sandbox` settings is, for the refusal's line."""
@@ -98,11 +105,38 @@ class Sandbox:
         finish_reason: str,
         options: dict[str, Any],
         timeout_s: float,
+        prompt: str | None = None,
+        columns: Mapping[str, Any] | None = None,
     ) -> RewardValue:
-        """Run one function; RewardFailed on its error, on a timeout or if the sandbox broke."""
+        """Run one function (given `prompt` and the item's `columns` when it declares them); RewardFailed on its
+        error, on a timeout or if the sandbox broke."""
         request: dict[str, Any] = {"op": "call", "ref": ref, "completion": completion, "answer": answer}
-        request |= {"finish_reason": finish_reason, "options": options}
+        request |= {
+            "finish_reason": finish_reason,
+            "options": options,
+            "prompt": prompt,
+            "columns": dict(columns or {}),
+        }
         return self._call(request, timeout_s, self._value)
+
+    def call_batch(
+        self,
+        ref: str,
+        completions: Sequence[str],
+        prompts: Sequence[str],
+        answers: Sequence[str | None],
+        finish_reasons: Sequence[str],
+        columns: Mapping[str, Sequence[Any]],
+        options: dict[str, Any],
+        timeout_s: float,
+    ) -> list[float]:
+        """Run one batched function on a group's samples, `fn(completions, prompts, answers, **columns)`: one
+        float per completion; RewardFailed as for `call` (and for a value that is not that list)."""
+        request: dict[str, Any] = {"op": "batch", "ref": ref, "completions": list(completions)}
+        request |= {"prompts": list(prompts), "answers": list(answers), "finish_reasons": list(finish_reasons)}
+        request |= {"columns": {k: list(v) for k, v in columns.items()}, "options": options}
+        count = len(completions)
+        return self._call(request, timeout_s, lambda reply: self._batch_value(reply, count))
 
     def call_json(self, ref: str, text: str, options: dict[str, Any], timeout_s: float) -> Any:
         """Run one function on `text` (as its completion, with no answer) that returns any JSON value, such
@@ -134,7 +168,8 @@ class Sandbox:
             self._stop()
 
     def _start(self) -> None:
-        process = SandboxProcess.spawn(self._settings)
+        code_dirs = tuple(sorted({d for ref, _ in self._functions if (d := code_dir(ref)) is not None}))
+        process = SandboxProcess.spawn(self._settings, code_dirs)
         self._process = process
         try:
             hello = self._receive({"op": "start"}, START_TIMEOUT_S, time.monotonic() + START_TIMEOUT_S)
@@ -155,7 +190,8 @@ class Sandbox:
             )
         for ref, options in self._functions:
             try:
-                reply = self._request({"op": "load", "ref": ref, "options": options}, START_TIMEOUT_S)
+                load = {"op": "load", "ref": ref, "options": options, "batched": ref in self._batched}
+                reply = self._request(load, START_TIMEOUT_S)
             except RewardFailed as err:
                 reply = {"status": "error", "error": str(err)}
             if reply.get("status") != "ok":
@@ -219,6 +255,13 @@ class Sandbox:
             return checked(reply["value"])
         except (KeyError, TypeError, ValueError, OverflowError):
             self._broken("a value that is not a float or a dict of floats")
+
+    def _batch_value(self, reply: dict[str, Any], count: int) -> list[float]:
+        """The value of an ok batch reply; one the child's own check would have refused means the reply is forged."""
+        try:
+            return checked_batch(reply["value"], count)
+        except (KeyError, TypeError, ValueError, OverflowError):
+            self._broken(f"a value that is not a list of {count} floats")
 
     def _json_value(self, reply: dict[str, Any]) -> Any:
         if "value" not in reply:

@@ -72,8 +72,9 @@ class SandboxProcess:
         """Closes the lifeline (the supervisor then kills the server) when killed, collected or at exit."""
 
     @classmethod
-    def spawn(cls, settings: RewardSandbox) -> SandboxProcess:
-        """Start the child with `settings`' limits; it confines itself, then says so on the reply pipe."""
+    def spawn(cls, settings: RewardSandbox, code_dirs: tuple[str, ...] = ()) -> SandboxProcess:
+        """Start the child with `settings`' limits; it confines itself, then says so on the reply pipe.
+        `code_dirs` (the directories of reward files named by path) join its import path and its view."""
         home = tempfile.TemporaryDirectory(prefix="relax-reward-", ignore_cleanup_errors=True)
         user = settings.user if os.geteuid() == 0 else None
         if user is not None:  # the child switches to this uid: its HOME must be its own
@@ -82,7 +83,7 @@ class SandboxProcess:
         replies_r, replies_w = os.pipe()
         lifeline_r, lifeline_w = os.pipe()
         output_r, output_w = os.pipe()
-        path = _import_path()
+        path = [*_import_path(), *(d for d in code_dirs if d not in _import_path())]
         child = {
             "requests": requests_r,
             "replies": replies_w,
