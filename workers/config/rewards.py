@@ -107,7 +107,8 @@ class RewardSandbox(Section):
     line). `unisolated`: user code then runs anyway, with the worker's uid, network and files (one warning)."""
     memory_mb: int | None = Field(default=4096, ge=64)
     """Memory of the whole sandbox, in MiB: the resident memory of all its processes together (checked every
-    50 ms: past it the sandbox is killed and the call scores 0 with `RewardOutOfMemory`), and each process's
+    50 ms: past it the sandbox is killed and the call fails with `RewardOutOfMemory`: the sample is left out of
+    training and counted in `reward/error_rate`), and each process's
     address space (RLIMIT_AS: an allocation past it raises MemoryError). Address space is virtual: a library
     that reserves a lot of it (CUDA) needs null (no limit at all)."""
     scratch_mb: int = Field(default=256, ge=1)
@@ -161,8 +162,9 @@ class MathReward(_Reward):
     options: MathOptions = Field(default_factory=MathOptions)
     """Options of the math reward."""
     timeout_s: float = Field(default=10.0, gt=0)
-    """A verification running longer than this scores 0 with the error recorded (it runs in the reward
-    worker's sandboxed child process, like python rewards)."""
+    """A verification running longer than this fails with the error recorded: the sample is left out of training
+    and counted in `reward/error_rate` (it runs in the reward worker's sandboxed child process, like python
+    rewards)."""
     sandbox: _Sandbox = Field(default_factory=RewardSandbox)
     """Limits and isolation of the child process it runs in; `unisolated` is short for `{isolation: unisolated}`."""
 
