@@ -11,7 +11,7 @@ from tests.cli.test_cli import relax
 from workers.config import load_config
 from workers.preflight import preflight
 
-pytestmark = pytest.mark.cli
+pytestmark = [pytest.mark.cli, pytest.mark.timeout(420)]
 
 SHORT = ("model.source=tiny:64x2", "trainer.warmup.check_every=2")
 
