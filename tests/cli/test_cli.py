@@ -231,7 +231,7 @@ def test_init_and_run_refuse_unknown_plug_ins_with_every_error(tmp_path):
         "7 problem(s)",
         "rollout.engine: unknown type 'tensorrt' (known: 'torch', 'vllm', 'sim')",
         "trainer.advantage: unknown type 'ppo' (known: 'grpo', 'drgrpo', 'rloo', 'reinforce_pp', "
-        "'reinforce_pp_baseline')",
+        "'reinforce_pp_baseline', 'gae')",
         "task: unknown type 'csv' (known: 'addition', 'reverse', 'jsonl', 'hf', 'omni', 'arithmetic')",
         "rewards.0: unknown type 'bleu' (known: 'exact', 'numeric', 'format', 'math', 'python')",
         "rewards.1.numeric.options.tolerence: unknown setting",
