@@ -18,6 +18,7 @@ from workers.engines.torch_engine import TorchEngine
 from workers.roles.critic import CriticState, group_key
 from workers.training.batch import make_batch, untrainable
 from workers.training.gae import GaeTerm, clipped_value_loss, explained_variance, gae
+from workers.training.step_metrics import critic_metrics
 from workers.training.trainer import PolicyTrainer
 from workers.training.value_model import CriticTrainer
 
@@ -220,8 +221,32 @@ def test_a_step_trains_on_gae_where_grpo_would_see_no_signal(setup):
     metrics = trainer.step(valued(flat, 0.5))
     moved = max(float((p.detach() - before[n]).abs().max()) for n, p in trainer.model.named_parameters())
     assert moved > 0.0 and metrics["gae_advantage_mean"] == pytest.approx(0.5)
+    assert metrics["explained_variance"] == 0.0  # every return is 1: Var(R) = 0
     assert "no critic values" in (trainer.untrainable(flat[0]) or "")
     assert trainer.untrainable(valued(flat, 0.5)[0]) is None
+
+
+def test_the_steps_explained_variance_is_over_the_batchs_tokens(setup):
+    model_dir, groups = setup  # rewards 0, 1, 0, 1 in every group
+    trainer = PolicyTrainer(model_dir, config())
+    metrics = trainer.step(valued(groups[:2], 0.5))  # V = 0.5 everywhere: no better than the mean
+    assert metrics["explained_variance"] == pytest.approx(0.0, abs=1e-6)
+    perfect = []
+    for g in groups[:2]:
+        rows = zip(g.scored.rollout.samples, g.scored.rewards, strict=True)
+        values = tuple(WireTensor.from_values([r] * s.token_ids.numel, "float32") for s, r in rows)
+        info = CriticValues(version=0, values=values, value_loss=0.0, value_mean=0.5, explained_variance=1.0)
+        perfect.append(g.model_copy(update={"critic": info}))
+    assert trainer.step(perfect)["explained_variance"] == pytest.approx(1.0)  # V = R on every token
+
+
+def test_the_step_logs_the_critics_figures_of_its_groups(setup):
+    _, groups = setup
+    a, b = valued(groups[:1], 0.5)[0], valued(groups[1:2], 0.25)[0]
+    assert a.critic is not None and b.critic is not None
+    b = b.model_copy(update={"critic": b.critic.model_copy(update={"version": 7, "value_loss": 0.5})})
+    assert critic_metrics([a, b]) == {"value_loss": 0.25, "value_mean": 0.375, "critic_version": 7.0}
+    assert critic_metrics(groups[:2]) == {}
 
 
 def test_values_that_do_not_line_up_are_untrainable(setup):

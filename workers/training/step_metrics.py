@@ -126,8 +126,9 @@ def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:
 
 def critic_metrics(groups: Sequence[TrainGroup]) -> dict[str, float]:
     """The critic's figures over the step's groups (a run with a critic; empty otherwise), means over the groups of
-    each group's own: `value_loss` (the critic's clipped value loss on the group before its update on it),
-    `value_mean`, `explained_variance`, and `critic_version` (the newest critic version among them)."""
+    each group's own: `value_loss` (the critic's clipped value loss on the group before its update on it) and
+    `value_mean`; and `critic_version` (the newest critic version among them). The step's `explained_variance` is
+    the trainer's, over the whole batch's tokens (a group's own is noisy: its returns barely vary)."""
     stats = [g.critic for g in groups if g.critic is not None]
     if not stats:
         return {}
@@ -135,7 +136,6 @@ def critic_metrics(groups: Sequence[TrainGroup]) -> dict[str, float]:
     return {
         "value_loss": sum(c.value_loss for c in stats) / n,
         "value_mean": sum(c.value_mean for c in stats) / n,
-        "explained_variance": sum(c.explained_variance for c in stats) / n,
         "critic_version": float(max(c.version for c in stats)),
     }
 

@@ -61,7 +61,7 @@ from workers.training.batch import Batch, make_batch, stale_masked, untrainable
 from workers.training.devices import compute_dtype, resolve_device
 from workers.training.distill import Advantages, DistillTerm, reward_advantages
 from workers.training.forward import forward_for
-from workers.training.gae import GaeTerm
+from workers.training.gae import GaeTerm, explained_variance, gae
 from workers.training.losses import KlTerm, no_kl, normalizer_of
 from workers.training.media_policy import load_policy
 from workers.training.microbatch import Plan, split_even
@@ -171,6 +171,7 @@ class PolicyTrainer:
         batch, masked = stale_masked(groups, make_batch(groups, media), version, self.config.staleness)
         rewards, shaping = shaped_rewards(batch, self.cfg.overlong)  # [B, n]
         adv = self._sequence_advantages(rewards, batch)  # [N]
+        value_fit = self._value_fit(batch)
         plans = [self._plan(batch, rows) for rows in split_even(batch.ids.shape[0], self.cfg.mini_batches)]
         self.forward.begin_step()
         updates = self.cfg.updates_per_step
@@ -183,6 +184,7 @@ class PolicyTrainer:
         return {
             **sums.means(updates),
             **shaping,
+            **value_fit,
             **masked,
             **self.forward.metrics(),
             "updates": float(updates),
@@ -198,6 +200,15 @@ class PolicyTrainer:
         if estimator.type == "gae":
             return ADVANTAGE_ESTIMATORS["gae"](rewards, 0.0).reshape(-1)
         return group_advantages(rewards, estimator.type, estimator.eps, estimator.whiten, batch.valid).reshape(-1)
+
+    def _value_fit(self, batch: Batch) -> dict[str, float]:
+        """`explained_variance` of the critic's values over the step's trained tokens, 1 - Var(R - V) / Var(R) with
+        R the GAE returns (`workers.training.gae`); empty in a run without a critic."""
+        critic = self.config.critic
+        if critic is None or batch.values is None:
+            return {}
+        _, returns = gae(batch.rewards.reshape(-1), batch.values, batch.mask, critic.gamma, critic.lam)
+        return {"explained_variance": explained_variance(batch.values, returns, batch.mask)}
 
     def _plan(self, batch: Batch, rows: range) -> Plan:
         """This rank's micro-batches (row indices) of a mini-batch, padded to as many passes as any rank makes."""
