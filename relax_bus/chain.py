@@ -35,6 +35,9 @@ class Grants(BaseModel):
     """Fetches policy weights from the weights store."""
     writes_weights: bool = False
     """Puts and deletes weights and checkpoints in the weights store."""
+    writes_checkpoints: bool = False
+    """Puts, reads and deletes its own checkpoints in the checkpoints store (a role with a model of its own: the
+    critic); `writes_weights` includes it."""
     watches_version: bool = False
     """Follows policy.version (a core subscription to its key's subject wakes it; the key is read by direct get)."""
     reaps: bool = True

@@ -32,9 +32,10 @@ from schemas.parts import Part
 from schemas.scoring import Judgement, RewardDetail
 from schemas.tensor import WireTensor
 
-SCHEMA_VERSION = "1.8"  # 1.1: PromptGroup.history; 1.2: Sample.routed_experts; 1.3: Sample.version_spans;
+SCHEMA_VERSION = "1.9"  # 1.1: PromptGroup.history; 1.2: Sample.routed_experts; 1.3: Sample.version_spans;
 # 1.4: Sample.loss_mask and Sample.episode, ChatTurn role "tool"; 1.5: TrainGroup.teacher_logprobs;
-# 1.6: Metric.samples; 1.7: RolloutGroup.judgements, RewardDetail.checks; 1.8: PromptGroup.columns
+# 1.6: Metric.samples; 1.7: RolloutGroup.judgements, RewardDetail.checks; 1.8: PromptGroup.columns;
+# 1.9: TrainGroup.critic
 SCHEMA_MAJOR = 1
 
 _ID = r"^[A-Za-z0-9_.:-]{1,200}$"
@@ -295,6 +296,23 @@ class ScoredGroup(Message):
         return self
 
 
+class CriticValues(BaseModel):
+    """The critic's values of a group's sampled tokens (PPO with GAE), and how well it predicted this group."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    version: int = Field(ge=0)
+    """The critic's weights version that computed the values (value updates it had made before this group)."""
+    values: tuple[WireTensor, ...]
+    """V(s_t) per sample (`[tokens]` each): the value of the state before each sampled token."""
+    value_loss: float
+    """The clipped value loss of the critic's first update on this group (its error before training on it)."""
+    value_mean: float
+    """Mean of the values over the group's response tokens."""
+    explained_variance: float
+    """1 - Var(R - V) / Var(R) over the group's response tokens, R the GAE returns (0 when Var(R) is 0)."""
+
+
 class TrainGroup(Message):
     """What the trainer consumes: a scored group plus optional upstream extras."""
 
@@ -305,6 +323,8 @@ class TrainGroup(Message):
     teacher_logprobs: tuple[WireTensor, ...] | None = None
     """The teacher's log-probs of every sampled token per sample (`[tokens]` each), in a run with a teacher
     (on-policy distillation)."""
+    critic: CriticValues | None = None
+    """The critic's per-token values, in a run with a critic (PPO with GAE)."""
 
     @model_validator(mode="after")
     def _one_per_sample(self) -> TrainGroup:
@@ -313,6 +333,8 @@ class TrainGroup(Message):
             raise ValueError(f"{len(self.ref_logprobs)} reference log-prob tensors for {n} samples")
         if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
             raise ValueError(f"{len(self.teacher_logprobs)} teacher log-prob tensors for {n} samples")
+        if self.critic is not None and len(self.critic.values) != n:
+            raise ValueError(f"{len(self.critic.values)} critic value tensors for {n} samples")
         return self
 
     @property

@@ -13,10 +13,13 @@ entries read of it.
     rollout    pull prompts, publish rollouts; read weights, watch policy.version; call the environment service and
                record episodes' turns
     genrm      pull rollouts, publish judged (runs with a judge section)
-    reward     pull rollouts (judged in a run with a judge), publish scored (train when the run has neither a
-               reference nor a teacher role)
-    reference  pull scored, publish teach (a run with a teacher) or train; read weights, watch policy.version
+    reward     pull rollouts (judged in a run with a judge), publish scored (train when the run has no reference,
+               teacher or critic role)
+    reference  pull scored, publish teach (a run with a teacher), critique (a run with a critic) or train; read
+               weights, watch policy.version
     teacher    pull teach (a run with a reference role) or scored, publish train
+    critic     pull critique (a run with a reference role) or scored, publish train; write critic.checkpoint and
+               its own checkpoints; read weights (version 0), watch policy.version; rewind its durable
     actor      pull train, rewind its durable; publish prompts (requeues); write weights,
                policy.version, trainer.*, groups.dropped
     metrics    follow events (its own durable, rewound to its ack floor), write the sinks; read the
@@ -34,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from workers.state_keys import (
     EVAL_CLAIMED,
+    CRITIC_CHECKPOINT,
     FEEDER_CURSOR,
     GROUPS_DROPPED,
     GROUPS_FILTERED,
@@ -62,6 +66,10 @@ class RunShape(Protocol):
     @property
     def teacher(self) -> Any:
         """The teacher section (None: the run distills from no teacher, hence has no teacher role)."""
+
+    @property
+    def critic(self) -> Any:
+        """The critic section (None: no value model, hence no critic role)."""
 
     @property
     def roles(self) -> Any:
@@ -95,6 +103,10 @@ def _with_judge(config: RunShape) -> bool:
 
 def _with_teacher(config: RunShape) -> bool:
     return config.teacher is not None
+
+
+def _with_critic(config: RunShape) -> bool:
+    return config.critic is not None
 
 
 def _with_metrics(config: RunShape) -> bool:
@@ -293,7 +305,7 @@ ROLES: tuple[RoleDef, ...] = (
         "reward",
         input="judged",
         input_of=lambda c: "judged" if c.judge is not None else "rollouts",
-        output=lambda c: "scored" if c.reference or c.teacher is not None else "train",
+        output=lambda c: "scored" if c.reference or c.teacher is not None or c.critic is not None else "train",
         grants=dict(state_keys=(GROUPS_FILTERED,)),  # dynamic sampling's filtered set
         module="workers.roles.reward",
         deploy=RoleDeploy(
@@ -313,7 +325,7 @@ ROLES: tuple[RoleDef, ...] = (
     RoleDef(
         "reference",
         input="scored",
-        output=lambda c: "teach" if c.teacher is not None else "train",
+        output=lambda c: "teach" if c.teacher is not None else "critique" if c.critic is not None else "train",
         grants=dict(reads_weights=True, watches_version=True),
         module="workers.roles.reference",
         deploy=RoleDeploy(
@@ -365,6 +377,43 @@ ROLES: tuple[RoleDef, ...] = (
         count_needs_role=True,
         scalable="Teacher processes; they share the durable of their input hop.",
         checks=("model", "teacher"),
+    ),
+    RoleDef(
+        "critic",
+        input="critique",
+        input_of=lambda c: "critique" if c.reference else "scored",
+        output=lambda c: "train",
+        grants=dict(
+            state_keys=(CRITIC_CHECKPOINT,),
+            reads_weights=True,
+            watches_version=True,
+            writes_checkpoints=True,
+            reaps=False,
+            resets_consumer=True,
+        ),
+        module="workers.roles.critic",
+        deploy=RoleDeploy(
+            compose_about=(
+                "Only runs with a critic section have a critic role (PPO with GAE; examples/compose.yaml has none,\n"
+                "and a critic worker of a run without one exits with an error): docker compose --profile critic up -d"
+            ),
+            compose_extra='profiles: ["critic"]',
+            k8s_about=(
+                "The value model of PPO with GAE (durable consumer `critic` of RELAX_<run>_SCORED, or of\n"
+                "RELAX_<run>_CRITIQUE in a run with a reference role). One replica: it owns critic.checkpoint. A\n"
+                "critic worker of a run without the role exits with an error: scale it up only where it exists."
+            ),
+            k8s_spec=(
+                "replicas: 0                       # only runs with a critic section have one\nstrategy:\n"
+                "  type: Recreate                  # one critic at a time: it owns critic.checkpoint"
+            ),
+            requests='{cpu: "1", memory: 2Gi}',
+            limits="{memory: 4Gi}",
+            gpus=1,
+        ),
+        enabled=_with_critic,
+        why_absent="the run has no critic section",
+        checks=("model",),
     ),
     RoleDef(
         "actor",

@@ -8,6 +8,7 @@ groups.filtered      release indices the reward role filtered as uniform (a bitm
 trainer.step         optimizer steps done
 trainer.checkpoint   JSON record of the latest checkpoint
 trainer.done         set once the run's last step is trained
+critic.checkpoint    JSON record of the critic's latest checkpoint (a run with a critic)
 weights.broadcast    where the trainer's broadcast rendezvous listens (`weights: {type: broadcast}`)
 eval.claimed         blocks of `eval.every` policy versions whose held-out evaluation a rollout worker has claimed
 """
@@ -16,6 +17,7 @@ from relax_bus.staleness import POLICY_VERSION
 
 __all__ = [
     "EVAL_CLAIMED",
+    "CRITIC_CHECKPOINT",
     "FEEDER_CURSOR",
     "GROUPS_DROPPED",
     "GROUPS_FILTERED",
@@ -26,6 +28,7 @@ __all__ = [
     "WEIGHTS_BROADCAST",
 ]
 
+CRITIC_CHECKPOINT = "critic.checkpoint"
 FEEDER_CURSOR = "feeder.cursor"
 GROUPS_DROPPED = "groups.dropped"
 GROUPS_FILTERED = "groups.filtered"

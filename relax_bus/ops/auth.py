@@ -114,6 +114,9 @@ def permissions(topology: Topology, role: str) -> Permissions:
         # stream's info: its subjects, to find the chunks of an upload a crash cut off (`clear_orphans`).
         for store in (weights, checkpoints):
             pub += [f"$O.{store}.>", f"{API}.STREAM.PURGE.OBJ_{store}", *_reads_store(store)]
+    if g.writes_checkpoints and not g.writes_weights:
+        # Its own checkpoints (the critic's); the weights store stays the trainer's.
+        pub += [f"$O.{checkpoints}.>", *_reads_store(checkpoints)]
     if g.records_episodes:
         episodes = t.bucket("episodes")
         pub += [*_reads_kv(episodes), f"$KV.{episodes}.>"]

@@ -158,6 +158,17 @@ def test_permissions_follow_the_topology():
     assert "$JS.API.STREAM.*.RELAX_r1_PROMPTS" in permissions(t, "admin").publish
 
 
+def test_the_critic_writes_its_checkpoints_and_state_key_but_not_the_weights():
+    t = build_topology(run_config(run="r1", trainer={"advantage": "gae"}, critic={}))
+    critic = permissions(t, "critic")
+    assert "$O.relax_r1_checkpoints.>" in critic.publish and "$O.relax_r1_weights.>" not in critic.publish
+    assert "$KV.relax_r1_state.critic.checkpoint" in critic.publish
+    assert "$KV.relax_r1_state.policy.version" not in critic.publish
+    assert "$JS.API.CONSUMER.RESET.RELAX_r1_SCORED.critic" in critic.publish
+    assert not any("PURGE" in p for p in critic.publish)  # the actor's clear_orphans only
+    assert "relax.r1.train" in critic.publish and "relax.r1.train" not in permissions(t, "reward").publish
+
+
 def test_bundle_files_are_private_and_not_overwritten(tmp_path):
     config = run_config()
     bundle = write_bundle(config, tmp_path / "auth")

@@ -15,13 +15,13 @@ async def test_applying_twice_is_idempotent(settings):
     js = nc.jetstream()
     try:
         first = await provision(js, config)
-        assert len(first.created) == 8 + 4 + 3 + 3 and not first.updated  # streams, durables, buckets, stores
+        assert len(first.created) == 9 + 4 + 3 + 3 and not first.updated  # streams, durables, buckets, stores
         second = await provision(js, config)
         assert second.created == [] and second.updated == []
         assert sorted(second.unchanged) == sorted(first.created)
         assert await read_config(js, config.run, model=PipelineConfig) == config
         names = {s.config.name for s in await js.streams_info()}
-        assert sum(n.startswith(f"RELAX_{config.run}_") for n in names) == 8
+        assert sum(n.startswith(f"RELAX_{config.run}_") for n in names) == 9
     finally:
         await nc.close()
 
@@ -76,9 +76,9 @@ async def test_delete_run_removes_only_that_runs_objects(settings):
         await provision(js, gone)
         deleted = await delete_run(js, gone)
         streams = {s.config.name for s in await js.streams_info()}
-        assert len(deleted) == 8 + 3 + 3, deleted
+        assert len(deleted) == 9 + 3 + 3, deleted
         assert not any(gone.run in name for name in streams), streams
-        assert sum(name.startswith(f"RELAX_{kept.run}_") for name in streams) == 8
+        assert sum(name.startswith(f"RELAX_{kept.run}_") for name in streams) == 9
         assert f"KV_relax_{kept.run}_state" in streams and f"OBJ_relax_{kept.run}_weights" in streams
         assert await read_config(js, gone.run, missing_ok=True, model=PipelineConfig) is None
         assert await delete_run(js, gone) == []  # repeatable: what is gone is skipped

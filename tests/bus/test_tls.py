@@ -88,7 +88,7 @@ async def test_tls_with_the_ca_connects_and_without_it_is_refused(tmp_path):
         nc = await connect(settings, name="tls-admin")
         try:
             report = await provision(nc.jetstream(timeout=10.0), config)
-            assert len(report.created) == 18
+            assert len(report.created) == 19
         finally:
             await nc.close()
         without_ca = settings.model_copy(update={"tls_ca_file": None, "connect_timeout_s": 1.0})

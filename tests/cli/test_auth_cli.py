@@ -61,7 +61,7 @@ def test_auth_writes_private_files_once_and_the_server_enforces_them(tmp_path):
         url = f"nats://127.0.0.1:{port}"
         assert_one_line_error(relax("init", cfg, "--nats-url", url), "Authorization Violation")
         init = relax("init", cfg, "--nats-url", url, env=env_file(out / "admin.env"))
-        assert init.returncode == 0 and "18 created" in init.stdout, init.stderr
+        assert init.returncode == 0 and "19 created" in init.stdout, init.stderr
         shown = relax("inspect", "clauth", "--nats-url", url, "--json", env=env_file(out / "observer.env"))
         assert shown.returncode == 0 and '"run": "clauth"' in shown.stdout, shown.stderr
     finally:

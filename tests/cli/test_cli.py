@@ -59,9 +59,9 @@ def test_init_then_inspect_json(nats_server, tmp_path):
     first = relax("init", cfg, "--nats-url", nats_server.url, "--json")
     assert first.returncode == 0, first.stderr
     report = json.loads(first.stdout)
-    assert report["run"] == "clitest" and len(report["created"]) == 18
+    assert report["run"] == "clitest" and len(report["created"]) == 19
     again = relax("init", cfg, "--nats-url", nats_server.url)
-    assert again.returncode == 0 and "0 created, 0 updated, 18 unchanged" in again.stdout
+    assert again.returncode == 0 and "0 created, 0 updated, 19 unchanged" in again.stdout
 
     out = relax("inspect", "clitest", "--nats-url", nats_server.url, "--json")
     assert out.returncode == 0, out.stderr
@@ -76,7 +76,8 @@ def test_init_then_inspect_json(nats_server, tmp_path):
         "metrics",
     ]
     assert {s["subject"] for s in info["streams"]} == {
-        f"relax.clitest.{k}" for k in ("prompts", "rollouts", "judged", "scored", "teach", "train", "dlq", "events")
+        f"relax.clitest.{k}"
+        for k in ("prompts", "rollouts", "judged", "scored", "teach", "critique", "train", "dlq", "events")
     }
     assert all(s["messages"] == 0 for s in info["streams"])
     consumers = [(c["durable"], c["pending"]) for c in info["consumers"]]
@@ -232,7 +233,7 @@ def test_init_and_run_refuse_unknown_plug_ins_with_every_error(tmp_path):
         "7 problem(s)",
         "rollout.engine: unknown type 'tensorrt' (known: 'torch', 'vllm', 'sim')",
         "trainer.advantage: unknown type 'ppo' (known: 'grpo', 'drgrpo', 'rloo', 'reinforce_pp', "
-        "'reinforce_pp_baseline')",
+        "'reinforce_pp_baseline', 'gae')",
         "task: unknown type 'csv' (known: 'addition', 'reverse', 'jsonl', 'hf', 'omni', 'arithmetic')",
         "rewards.0: unknown type 'bleu' (known: 'exact', 'numeric', 'format', 'math', 'python')",
         "rewards.1.numeric.options.tolerence: unknown setting",

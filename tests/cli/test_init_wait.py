@@ -65,7 +65,7 @@ def test_init_waits_for_a_server_that_starts_later(tmp_path: Path) -> None:
             init.wait()
         server.cleanup()
     assert init.returncode == 0, errors.read_text()
-    assert "run waits: 18 created" in out, out
+    assert "run waits: 19 created" in out, out
 
 
 def test_init_without_wait_fails_at_once(tmp_path: Path) -> None:

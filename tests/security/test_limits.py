@@ -65,7 +65,17 @@ def test_every_stream_and_store_is_bounded():
     config = parse_config({"run": "r1"})  # the defaults
     t = build_topology(config)
     bus = config.bus
-    assert {s.key for s in t.streams} == {"prompts", "rollouts", "judged", "scored", "teach", "train", "dlq", "events"}
+    assert {s.key for s in t.streams} == {
+        "prompts",
+        "rollouts",
+        "judged",
+        "scored",
+        "teach",
+        "critique",
+        "train",
+        "dlq",
+        "events",
+    }
     for s in t.streams:
         assert s.max_msg_size == bus.claim_check_bytes + DEFAULT_HEADROOM, s
         assert s.max_msg_size >= bus.claim_check_bytes + HEADER_BYTES

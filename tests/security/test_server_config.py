@@ -127,7 +127,7 @@ async def test_the_run_account_has_jetstream_limits_and_the_server_a_payload_bou
     config = run_config()
     t = build_topology(config)
     reserved = reservations(t)["file"]
-    limits = JetStreamLimits.for_run(t, max_file=reserved + (64 << 20), max_streams=14, max_consumers=80)
+    limits = JetStreamLimits.for_run(t, max_file=reserved + (64 << 20), max_streams=15, max_consumers=80)
     bundle = write_bundle(config, tmp_path / "auth", store_dir=None, limits=limits)
     conf = bundle.server_conf.read_text()
     assert "max_payload: 1048576" in conf and "\nhttp" not in conf, conf  # monitoring off
@@ -138,10 +138,10 @@ async def test_the_run_account_has_jetstream_limits_and_the_server_a_payload_bou
             assert nc.max_payload == 1 << 20
             js = nc.jetstream(timeout=10.0)
             report = await provision(js, config)
-            assert len(report.created) == 14 + len(t.consumers)
+            assert len(report.created) == 15 + len(t.consumers)
             info = await js.account_info()
             got = (info.limits.max_memory, info.limits.max_storage, info.limits.max_streams, info.limits.max_consumers)
-            assert got == (limits.max_memory, limits.max_file, 14, 80)
+            assert got == (limits.max_memory, limits.max_file, 15, 80)
             train = await js.stream_info(t.stream("train").name)
             train.config.max_bytes = (train.config.max_bytes or 0) + (128 << 20)  # past the account's file limit
             with pytest.raises(nats.js.errors.APIError, match=r"insufficient (storage )?resources"):
@@ -192,7 +192,7 @@ async def test_nkey_logins_work_and_a_wrong_seed_or_bad_file_is_refused(tmp_path
         admin = settings_of(bundle.env_files["admin"], server.url)
         nc = await connect(admin, name="admin")
         try:
-            assert len((await provision(nc.jetstream(timeout=10.0), config)).created) == 18
+            assert len((await provision(nc.jetstream(timeout=10.0), config)).created) == 19
         finally:
             await nc.close()
         wrong = tmp_path / "wrong.nk"

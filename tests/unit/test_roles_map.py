@@ -33,6 +33,7 @@ def test_counts_default_to_one_and_the_registry_reads_them():
         "actor": 1,
         "metrics": 1,
         "teacher": 1,
+        "critic": 1,
         "env": 1,
     }
     assert set(SCALABLE_ROLES) == {"rollout", "genrm", "reward", "reference", "teacher", "env"}

@@ -7,7 +7,7 @@ from workers.config import parse_config
 def test_subjects_streams_and_roles():
     t = build_topology(parse_config({"run": "r1"}))
     assert [t.subject(k) for k in t.subject_keys] == [f"relax.r1.{k}" for k in t.subject_keys]
-    assert t.subject_keys == ("prompts", "rollouts", "judged", "scored", "teach", "train", "dlq", "events")
+    assert t.subject_keys == ("prompts", "rollouts", "judged", "scored", "teach", "critique", "train", "dlq", "events")
     assert t.stream("prompts").retention == "workqueue" and t.stream("prompts").discard == "new"
     assert t.stream("train").retention == "limits"
     assert t.role("reward").output == "train"

@@ -10,6 +10,7 @@ import torch
 from workers.training.advantages import (
     ADVANTAGE_ESTIMATORS,
     drgrpo_advantages,
+    gae_rewards,
     group_advantages,
     grpo_advantages,
     overlong_penalty,
@@ -111,8 +112,15 @@ def test_registry_names_the_estimators():
         "rloo": rloo_advantages,
         "reinforce_pp": reinforce_pp_advantages,
         "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
+        "gae": gae_rewards,
     }
     assert expected == ADVANTAGE_ESTIMATORS
+
+
+def test_gae_passes_the_rewards_on_for_the_per_token_advantages():
+    rewards = torch.tensor([[1, 0], [0, 0]])
+    out = gae_rewards(rewards)
+    assert out.dtype.is_floating_point and torch.equal(out, rewards.float())
 
 
 def test_unknown_advantage_mode_lists_the_modes():

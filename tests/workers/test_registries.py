@@ -75,6 +75,7 @@ NOT_ROLES = {
     ("workers/preflight.py", "teacher"),  # the `teacher` pre-start check (of the teacher section)
     ("workers/training/batch.py", "reference"),  # which log-probs a refusal line is about
     ("workers/training/batch.py", "teacher"),
+    ("workers/training/batch.py", "critic"),
 }
 
 

@@ -27,6 +27,7 @@ from relax_bus.settings import RunConfig, parse_run_config
 from workers.config.agent import AgentConfig, EnvSpec
 from workers.config.base import Section
 from workers.config.evaluation import EvalConfig
+from workers.config.critic import CriticConfig
 from workers.config.judge import JudgeConfig
 from workers.config.metrics import MetricsConfig, MetricsLaunch, WandbConfig, WandbEnv
 from workers.config.model_source import (
@@ -87,6 +88,7 @@ __all__ = [
     "AnyReward",
     "BroadcastWeights",
     "CorrectionConfig",
+    "CriticConfig",
     "DirSource",
     "DrGrpoAdvantage",
     "EngineConfig",
@@ -252,6 +254,9 @@ class PipelineConfig(RunConfig):
     takes log p_teacher - log p_sampling as a per-token advantage (docs/algorithms.md); null: no teacher."""
     eval: EvalConfig | None = None
     """Held-out evaluation every few policy versions, logged as `eval/*` (docs/metrics.md); null: none."""
+    critic: CriticConfig | None = None
+    """PPO with GAE: the `critic` role gives every sampled token a value and trains on the returns, and the actor's
+    `gae` advantage uses them (docs/algorithms.md); null: no critic (needs `trainer.advantage: gae`)."""
 
     @property
     def reference(self) -> bool:
@@ -292,6 +297,7 @@ class PipelineConfig(RunConfig):
             )
         if self.teacher is not None and self.model.source.type == "tiny-omni":
             problems.append("a teacher scores text only: a multimodal policy (tiny-omni) cannot be distilled")
+        problems += self._critic_problems()
         if self.trainer.moe.routing_replay == "r3" and self.rollout.partial != "off":
             problems.append(
                 f"trainer.moe.routing_replay r3 with rollout.partial {self.rollout.partial}: a continued response's "
@@ -319,6 +325,25 @@ class PipelineConfig(RunConfig):
             problems.append("trainer.lora already publishes only the adapter from v1 on: set weights.delta false")
         if self.trainer.simulate is not None:
             problems.append("trainer.lora with trainer.simulate: a simulated trainer has no adapter to publish")
+        return problems
+
+    def _critic_problems(self) -> list[str]:
+        """A critic and the `gae` advantage go together, on plain text responses with unshaped rewards."""
+        gae = self.trainer.advantage.type == "gae"
+        if self.critic is None:
+            return ["trainer.advantage gae needs a critic section (the values it is computed from)"] if gae else []
+        problems = (
+            [] if gae else [f"a critic section needs trainer.advantage gae (it is {self.trainer.advantage.type})"]
+        )
+        for present, what in (
+            (self.teacher is not None, "a teacher (its per-token advantage replaces the critic's)"),
+            (self.agent is not None, "an agent's episodes (observation tokens inside a response)"),
+            (self.model.source.type == "tiny-omni", "a multimodal policy (tiny-omni)"),
+            (self.trainer.overlong is not None, "trainer.overlong (the critic's returns use the unshaped reward)"),
+            (self.trainer.lora is not None, "trainer.lora (the critic trains a full copy of the policy)"),
+        ):
+            if present:
+                problems.append(f"a critic does not go with {what}")
         return problems
 
     @model_validator(mode="after")

@@ -67,8 +67,20 @@ class ReinforcePpBaselineAdvantage(_Advantage):
     type: Literal["reinforce_pp_baseline"]
 
 
+class GaeAdvantage(Section):
+    """PPO's GAE per token from the reward and the critic's values (a run with a `critic` section, whose gamma and
+    lam it uses; `workers.training.gae`)."""
+
+    type: Literal["gae"]
+
+
 AdvantageConfig = Annotated[
-    GrpoAdvantage | DrGrpoAdvantage | RlooAdvantage | ReinforcePpAdvantage | ReinforcePpBaselineAdvantage,
+    GrpoAdvantage
+    | DrGrpoAdvantage
+    | RlooAdvantage
+    | ReinforcePpAdvantage
+    | ReinforcePpBaselineAdvantage
+    | GaeAdvantage,
     Field(discriminator="type"),
     BeforeValidator(shorthand),
 ]
@@ -267,7 +279,7 @@ class TrainerConfig(Section):
     computed once before the first update, so the PPO ratio moves and its clip binds."""
     advantage: AdvantageConfig = Field(default_factory=GrpoAdvantage)
     """Advantage estimator: `grpo`, `drgrpo`, `rloo`, `reinforce_pp` or `reinforce_pp_baseline` (or
-    `{type: grpo, eps: ..., whiten: true}`)."""
+    `{type: grpo, eps: ..., whiten: true}`), or `gae` per token from a critic's values (needs a `critic` section)."""
     loss: LossConfig = Field(default_factory=PpoLoss)
     """Policy loss: `ppo`, `dual_clip` (`{type: dual_clip, c: 3.0}`), `gspo` or `cispo`; each clips the ratio to
     [1 - clip_low, 1 + clip_high] (`{type: ppo, clip_low: 0.2, clip_high: 0.28}`)."""

@@ -56,7 +56,13 @@ from workers.state_keys import GROUPS_DROPPED, TRAINER_DONE, TRAINER_STEP
 from workers.training.devices import reads_ahead
 from workers.training.distributed import DrivenTrainer, warm_up
 from workers.training.judge_metrics import judge_metrics
-from workers.training.step_metrics import episode_metrics, policy_aliases, response_metrics, reward_metrics
+from workers.training.step_metrics import (
+    critic_metrics,
+    episode_metrics,
+    policy_aliases,
+    response_metrics,
+    reward_metrics,
+)
 from workers.training.trainer import PolicyTrainer
 from workers.weights import WeightTransport
 
@@ -365,6 +371,7 @@ class Actor:
             **metrics,
             **policy_aliases(metrics),
             **reward_metrics(groups),
+            **critic_metrics(groups),
             **response_metrics(samples),
             "step": float(self.state.step),
             "version": float(self.state.version),

@@ -10,6 +10,8 @@
     rloo                   A[g, i] =  r[g, i] - mean_{j != i} r[g, j]  =  n / (n - 1) * (r[g, i] - mean_g)
     reinforce_pp           A[g, i] = (r[g, i] - mean_B) / (std_B + eps)
     reinforce_pp_baseline  A[g, i] = (r[g, i] - mean_g) / (std_B(r - mean_g) + eps)
+    gae                    r[g, i] itself: the per-token advantages come from it and a critic's values
+                           (`workers.training.gae`)
 
     whiten (any estimator) A <- (A - mean_B(A)) / (std_B(A) + eps)
 
@@ -136,12 +138,23 @@ def reinforce_pp_baseline_advantages(rewards: Tensor, eps: float = 1e-6) -> Tens
     return torch.where(flat, torch.zeros_like(advantages), advantages)
 
 
+def gae_rewards(rewards: Tensor, eps: float = 1e-6) -> Tensor:
+    """gae: the rewards as they are (eps unused). PPO's GAE advantages are per token, from these rewards and the
+    critic's values, and are computed where the values are, by the loss (`workers.training.gae.GaeTerm`).
+
+    rewards: [groups, samples] -> [groups, samples], the same values as floats.
+    """
+    del eps
+    return _floating(rewards)
+
+
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "grpo": grpo_advantages,
     "drgrpo": drgrpo_advantages,
     "rloo": rloo_advantages,
     "reinforce_pp": reinforce_pp_advantages,
     "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
+    "gae": gae_rewards,
 }
 # Estimators whose all-equal groups are exact zeros; batch whitening keeps them so.
 _GROUP_BASELINED = frozenset({"grpo", "drgrpo", "rloo", "reinforce_pp_baseline"})

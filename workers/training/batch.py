@@ -38,6 +38,8 @@ class Batch:
     # episode's environment); such a row's mask is all 0 and its advantage 0. None: all valid
     teacher_logp: torch.Tensor | None = None  # [N, T-1] float: the teacher's log-probs of the sampled tokens (a run
     # with a teacher), aligned with `mask`
+    values: torch.Tensor | None = None  # [N, T-1] float: the critic's V(s_t) of the sampled tokens (a run with a
+    # critic), aligned with `mask`
 
     def rows(self, rows: Sequence[int], device: torch.device) -> Batch:
         """The rows `rows` cut to their longest sequence, on `device` (rewards stay whole, on the CPU)."""
@@ -61,6 +63,7 @@ class Batch:
             media=self.media,
             valid=self.valid,
             teacher_logp=None if self.teacher_logp is None else cut(self.teacher_logp, width - 1),
+            values=None if self.values is None else cut(self.values, width - 1),
         )
 
 
@@ -69,6 +72,7 @@ def make_batch(groups: Sequence[TrainGroup], media: Sequence[MediaInputs | None]
     rows: list[tuple[list[int], list[int], list[float]]] = []
     refs: list[list[float] | None] = []
     teachers: list[list[float] | None] = []
+    critics: list[list[float] | None] = []
     rewards, group_of, routing, trained, valid = [], [], [], [], []
     for index, g in enumerate(groups):
         rollout = g.scored.rollout
@@ -82,6 +86,7 @@ def make_batch(groups: Sequence[TrainGroup], media: Sequence[MediaInputs | None]
             rows.append((prompt, list(s.token_ids.to_values()), list(s.logprobs.to_values())))  # type: ignore[arg-type]
             refs.append(_row(g.ref_logprobs, i))
             teachers.append(_row(g.teacher_logprobs, i))
+            critics.append(_row(None if g.critic is None else g.critic.values, i))
             group_of.append(index)
     width = max(len(p) + len(r) for p, r, _ in rows)
     n = len(rows)
@@ -91,6 +96,7 @@ def make_batch(groups: Sequence[TrainGroup], media: Sequence[MediaInputs | None]
     rollout_logp = torch.zeros(n, width - 1)
     ref_logp = torch.zeros(n, width - 1) if refs[0] is not None else None
     teacher_logp = torch.zeros(n, width - 1) if teachers[0] is not None else None
+    values = torch.zeros(n, width - 1) if critics[0] is not None else None
     for row, (prompt, response, lps) in enumerate(rows):
         p, r = len(prompt), len(response)
         ids[row, : p + r] = torch.tensor(prompt + response)
@@ -99,9 +105,9 @@ def make_batch(groups: Sequence[TrainGroup], media: Sequence[MediaInputs | None]
         keep = trained[row]
         mask[row, p - 1 : p - 1 + r] = 1 if keep is None else torch.tensor(keep, dtype=mask.dtype)
         rollout_logp[row, p - 1 : p - 1 + r] = torch.tensor(lps)
-        for into, values in ((ref_logp, refs[row]), (teacher_logp, teachers[row])):
-            if into is not None and values is not None:
-                into[row, p - 1 : p - 1 + r] = torch.tensor(values)
+        for into, per_token in ((ref_logp, refs[row]), (teacher_logp, teachers[row]), (values, critics[row])):
+            if into is not None and per_token is not None:
+                into[row, p - 1 : p - 1 + r] = torch.tensor(per_token)
     valid_rows = torch.tensor(valid, dtype=torch.bool)  # [B, n]
     mask *= valid_rows.reshape(-1, 1)  # a sample without a reward trains nothing
     return Batch(
@@ -118,6 +124,7 @@ def make_batch(groups: Sequence[TrainGroup], media: Sequence[MediaInputs | None]
         tuple(media) or tuple(None for _ in groups),
         None if bool(valid_rows.all()) else valid_rows,
         teacher_logp,
+        values,
     )
 
 
@@ -199,7 +206,8 @@ def untrainable(group: TrainGroup, vocab_size: int, max_tokens: int | None = Non
                 f"sample {i}: {len(prompt)} prompt + {s.token_ids.numel} response tokens exceed the model's context "
                 f"of {max_tokens} positions"
             )
-    for name, tensors in (("reference", group.ref_logprobs), ("teacher", group.teacher_logprobs)):
+    critic = None if group.critic is None else group.critic.values
+    for name, tensors in (("reference", group.ref_logprobs), ("teacher", group.teacher_logprobs), ("critic", critic)):
         if tensors is None:
             continue
         if len(tensors) != len(rollout.samples):

@@ -53,11 +53,18 @@ def reverse_kl(teacher_logp: Tensor, sampling_logp: Tensor, mask: Tensor) -> flo
 
 
 class Advantages(Protocol):
-    """What the trainer's loss takes as its advantages: a micro-batch's sequence advantages [B] in, the advantages
-    of its tokens ([B] or [B, T]) and metrics out."""
+    """What the trainer's loss takes as its advantages: a micro-batch's sequence advantages [B] in (with the
+    critic's values [B, T] and the rows' rewards [B] in a run with a critic), the advantages of its tokens ([B] or
+    [B, T]) and metrics out."""
 
     def __call__(
-        self, seq_adv: Tensor, teacher_logp: Tensor | None, sampling_logp: Tensor, mask: Tensor
+        self,
+        seq_adv: Tensor,
+        teacher_logp: Tensor | None,
+        sampling_logp: Tensor,
+        mask: Tensor,
+        values: Tensor | None = None,
+        rewards: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, float]]: ...
 
 
@@ -69,7 +76,13 @@ class DistillTerm:
         self.coef, self.reward_coef = coef, reward_coef
 
     def __call__(
-        self, seq_adv: Tensor, teacher_logp: Tensor | None, sampling_logp: Tensor, mask: Tensor
+        self,
+        seq_adv: Tensor,
+        teacher_logp: Tensor | None,
+        sampling_logp: Tensor,
+        mask: Tensor,
+        values: Tensor | None = None,
+        rewards: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, float]]:
         if teacher_logp is None:
             raise ValueError("a run with a teacher got a batch without the teacher's log-probs")
@@ -80,7 +93,12 @@ class DistillTerm:
 
 
 def reward_advantages(
-    seq_adv: Tensor, teacher_logp: Tensor | None, sampling_logp: Tensor, mask: Tensor
+    seq_adv: Tensor,
+    teacher_logp: Tensor | None,
+    sampling_logp: Tensor,
+    mask: Tensor,
+    values: Tensor | None = None,
+    rewards: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """No teacher: the reward's sequence advantages as they are."""
     return seq_adv, {}

@@ -29,7 +29,7 @@ from workers.training.ranks import OneProcess
 LARGEST = ("tis_max",)
 SUMMED = ("sft_s",)
 TOKEN_METRICS = tuple(n for n in (*LOSS_METRICS, *CORRECTION_METRICS) if n not in LARGEST)
-OPTIONAL_TOKEN_METRICS = ("distill_reverse_kl",)
+OPTIONAL_TOKEN_METRICS = ("distill_reverse_kl", "gae_advantage_mean")
 """Per-token metrics of a term only some runs have (the same on every rank of a run)."""
 MAX_REWARD_TERMS = 32
 """Most reward terms a step reports (`reward/<term>/mean`), the first in name order: a metric's values are bounded."""
@@ -121,6 +121,22 @@ def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:
         "episode_resumed_turns": float(sum(e.resumed_turns for e in episodes)),
         "env_s_per_call": sum(e.env_s for e in episodes) / calls if calls else 0.0,
         "env_reward_mean": sum(rewarded) / len(rewarded) if rewarded else float("nan"),
+    }
+
+
+def critic_metrics(groups: Sequence[TrainGroup]) -> dict[str, float]:
+    """The critic's figures over the step's groups (a run with a critic; empty otherwise), means over the groups of
+    each group's own: `value_loss` (the critic's clipped value loss on the group before its update on it) and
+    `value_mean`; and `critic_version` (the newest critic version among them). The step's `explained_variance` is
+    the trainer's, over the whole batch's tokens (a group's own is noisy: its returns barely vary)."""
+    stats = [g.critic for g in groups if g.critic is not None]
+    if not stats:
+        return {}
+    n = len(stats)
+    return {
+        "value_loss": sum(c.value_loss for c in stats) / n,
+        "value_mean": sum(c.value_mean for c in stats) / n,
+        "critic_version": float(max(c.version for c in stats)),
     }
 
 

@@ -11,6 +11,8 @@ updates on them (see `workers.training.microbatch` for how they are cut):
       logp      = token_logprobs(policy, ...)                        # with grad
       A_t       = coef (logp_teacher - logp_rollout) + reward_coef A # per token, in a run with a teacher
                                                                      # (`workers.training.distill`); else A
+                  or GAE(r, V_critic, gamma, lam)                    # per token, in a run with a critic
+                                                                     # (`workers.training.gae`)
       loss      = policy_loss(logp, logp_old, logp_rollout, A)       # trainer.loss, reweighted by trainer.correction
                 + kl_coef * aggregate(kl_penalty(logp, logp_ref))    # when a reference is in the chain
       clip the gradient norm; AdamW update; lr schedule step
@@ -54,11 +56,12 @@ from workers.checkpoints.trainer_state import TrainerCheckpoints
 from workers.config import PipelineConfig as RunConfig
 from workers.data.jsonl_task import task_media_root
 from workers.engines.base import MediaInputs
-from workers.training.advantages import group_advantages, shaped_rewards
+from workers.training.advantages import ADVANTAGE_ESTIMATORS, group_advantages, shaped_rewards
 from workers.training.batch import Batch, make_batch, stale_masked, untrainable
 from workers.training.devices import compute_dtype, resolve_device
 from workers.training.distill import Advantages, DistillTerm, reward_advantages
 from workers.training.forward import forward_for
+from workers.training.gae import GaeTerm, explained_variance, gae
 from workers.training.losses import KlTerm, no_kl, normalizer_of
 from workers.training.media_policy import load_policy
 from workers.training.microbatch import Plan, split_even
@@ -127,11 +130,13 @@ class PolicyTrainer:
         """How micro-batches become log-probs (`workers.training.forward`), chosen here once."""
         self.loss_settings = LossSettings.of(cfg)
         self.kl_term = KlTerm(cfg.kl.coef, cfg.kl.kind, cfg.aggregation) if cfg.kl.coef > 0 else no_kl
-        teacher = config.teacher
-        self.advantages: Advantages = (
-            reward_advantages if teacher is None else DistillTerm(teacher.coef, teacher.reward_coef)
-        )
-        """The advantages of a micro-batch's tokens: the reward's, or with the teacher's per-token term."""
+        teacher, critic = config.teacher, config.critic
+        self.advantages: Advantages = reward_advantages
+        """The advantages of a micro-batch's tokens: the reward's, with the teacher's per-token term, or GAE's."""
+        if teacher is not None:
+            self.advantages = DistillTerm(teacher.coef, teacher.reward_coef)
+        elif critic is not None:
+            self.advantages = GaeTerm(critic.gamma, critic.lam)
         self.optimizer = make_optimizer(self.model, cfg.optim.lr, cfg.optim.weight_decay)
         updates = cfg.steps * cfg.updates_per_step
         self.scheduler = make_scheduler(
@@ -171,6 +176,8 @@ class PolicyTrainer:
         """Why `group` cannot go into a step (`workers.training.batch.untrainable`, and R3's routing), or None."""
         if self.config.teacher is not None and group.teacher_logprobs is None:
             return "no teacher log-probs in a run that distills from a teacher"
+        if self.config.critic is not None and group.critic is None:
+            return "no critic values in a run with a critic"
         return untrainable(group, self.vocab_size, self.max_tokens) or self.forward.problem(group)
 
     # ---- RL step -----------------------------------------------------------------------------------------
@@ -184,8 +191,8 @@ class PolicyTrainer:
         started = time.perf_counter()
         batch, masked = stale_masked(groups, make_batch(groups, media), version, self.config.staleness)
         rewards, shaping = shaped_rewards(batch, self.cfg.overlong)  # [B, n]
-        estimator = self.cfg.advantage
-        adv = group_advantages(rewards, estimator.type, estimator.eps, estimator.whiten, batch.valid).reshape(-1)  # [N]
+        adv = self._sequence_advantages(rewards, batch)  # [N]
+        value_fit = self._value_fit(batch)
         plans = [self._plan(batch, rows) for rows in split_even(batch.ids.shape[0], self.cfg.mini_batches)]
         self.forward.begin_step()
         updates = self.cfg.updates_per_step
@@ -198,6 +205,7 @@ class PolicyTrainer:
         return {
             **sums.means(updates),
             **shaping,
+            **value_fit,
             **masked,
             **self.forward.metrics(),
             "updates": float(updates),
@@ -205,6 +213,23 @@ class PolicyTrainer:
             **batch_metrics(batch),
             "train_s": time.perf_counter() - started,
         }
+
+    def _sequence_advantages(self, rewards: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """A = group_advantages(r) per response: [B, n] -> [N]; under `gae` the rewards themselves (the per-token
+        advantages come from them and the critic's values, micro-batch by micro-batch: `GaeTerm`)."""
+        estimator = self.cfg.advantage
+        if estimator.type == "gae":
+            return ADVANTAGE_ESTIMATORS["gae"](rewards, 0.0).reshape(-1)
+        return group_advantages(rewards, estimator.type, estimator.eps, estimator.whiten, batch.valid).reshape(-1)
+
+    def _value_fit(self, batch: Batch) -> dict[str, float]:
+        """`explained_variance` of the critic's values over the step's trained tokens, 1 - Var(R - V) / Var(R) with
+        R the GAE returns (`workers.training.gae`); empty in a run without a critic."""
+        critic = self.config.critic
+        if critic is None or batch.values is None:
+            return {}
+        _, returns = gae(batch.rewards.reshape(-1), batch.values, batch.mask, critic.gamma, critic.lam)
+        return {"explained_variance": explained_variance(batch.values, returns, batch.mask)}
 
     def _plan(self, batch: Batch, rows: range) -> Plan:
         """This rank's micro-batches (row indices) of a mini-batch, padded to as many passes as any rank makes."""
@@ -253,7 +278,7 @@ class PolicyTrainer:
         """A micro-batch's share of the mini-batch's loss: the policy loss (on the teacher's per-token advantages in
         a run with a teacher), plus the KL term against the reference when the run has one (`trainer.kl.coef` > 0;
         its value then in the metrics' `kl`)."""
-        adv, distilled = self.advantages(adv, mb.teacher_logp, mb.rollout_logp, mb.mask)
+        adv, distilled = self.advantages(adv, mb.teacher_logp, mb.rollout_logp, mb.mask, mb.values, adv)
         loss, metrics = policy_loss(logp, logp_old, mb.rollout_logp, adv, mb.mask, self.loss_settings, normalizer)
         loss, kl = self.kl_term(loss, logp, mb.ref_logp, mb.mask, normalizer)
         return loss, {**metrics, **kl, **distilled}
