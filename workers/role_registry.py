@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from workers.state_keys import (
-    EVAL_CLAIMED,
     CRITIC_CHECKPOINT,
+    EVAL_CLAIMED,
     FEEDER_CURSOR,
     GROUPS_DROPPED,
     GROUPS_FILTERED,

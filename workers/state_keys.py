@@ -16,8 +16,8 @@ eval.claimed         blocks of `eval.every` policy versions whose held-out evalu
 from relax_bus.staleness import POLICY_VERSION
 
 __all__ = [
-    "EVAL_CLAIMED",
     "CRITIC_CHECKPOINT",
+    "EVAL_CLAIMED",
     "FEEDER_CURSOR",
     "GROUPS_DROPPED",
     "GROUPS_FILTERED",

@@ -26,8 +26,8 @@ from relax_bus.overrides import load_with_overrides
 from relax_bus.settings import RunConfig, parse_run_config
 from workers.config.agent import AgentConfig, EnvSpec
 from workers.config.base import Section
-from workers.config.evaluation import EvalConfig
 from workers.config.critic import CriticConfig
+from workers.config.evaluation import EvalConfig
 from workers.config.judge import JudgeConfig
 from workers.config.metrics import MetricsConfig, MetricsLaunch, WandbConfig, WandbEnv
 from workers.config.model_source import (
