@@ -9,8 +9,9 @@ updates on them (see `workers.training.microbatch` for how they are cut):
                                                                      # update (= logp.detach() with one update)
     for epoch, for mini-batch, accumulated over its micro-batches:
       logp      = token_logprobs(policy, ...)                        # with grad
-      A_t       = coef (logp_teacher - logp_rollout) + reward_coef A # per token, in a run with a teacher
-                                                                     # (`workers.training.distill`); else A
+      A_t       = coef (d_t - b_t) + reward_coef A                   # per token, once per step, in a run with a
+                                                                     # teacher, d_t = logp_teacher - logp_rollout, b_t
+                                                                     # its group baseline (`workers.training.distill`)
       loss      = policy_loss(logp, logp_old, logp_rollout, A)       # trainer.loss, reweighted by trainer.correction
                 + kl_coef * aggregate(kl_penalty(logp, logp_ref))    # when a reference is in the chain
       clip the gradient norm; AdamW update; lr schedule step
@@ -121,7 +122,7 @@ class PolicyTrainer:
         self.kl_term = KlTerm(cfg.kl.coef, cfg.kl.kind, cfg.aggregation) if cfg.kl.coef > 0 else no_kl
         teacher = config.teacher
         self.advantages: Advantages = (
-            reward_advantages if teacher is None else DistillTerm(teacher.coef, teacher.reward_coef)
+            reward_advantages if teacher is None else DistillTerm(teacher.coef, teacher.reward_coef, teacher.baseline)
         )
         """The advantages of a micro-batch's tokens: the reward's, or with the teacher's per-token term."""
         self.optimizer = make_optimizer(self.model, cfg.optim.lr, cfg.optim.weight_decay)
@@ -165,6 +166,8 @@ class PolicyTrainer:
         rewards, shaping = shaped_rewards(batch, self.cfg.overlong)  # [B, n]
         estimator = self.cfg.advantage
         adv = group_advantages(rewards, estimator.type, estimator.eps, estimator.whiten, batch.valid).reshape(-1)  # [N]
+        # [N], or [N, T-1] with a teacher: once per step, so a group's baseline sees all of its rows
+        adv, distilled = self.advantages(adv, batch.teacher_logp, batch.rollout_logp, batch.mask, batch.group_of)
         plans = [self._plan(batch, rows) for rows in split_even(batch.ids.shape[0], self.cfg.mini_batches)]
         self.forward.begin_step()
         updates = self.cfg.updates_per_step
@@ -178,6 +181,7 @@ class PolicyTrainer:
             **sums.means(updates),
             **shaping,
             **masked,
+            **distilled,
             **self.forward.metrics(),
             "updates": float(updates),
             "lr": float(self.scheduler.get_last_lr()[0]),
@@ -230,9 +234,9 @@ class PolicyTrainer:
         self, mb: Batch, logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, normalizer: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """A micro-batch's share of the mini-batch's loss: the policy loss (on the teacher's per-token advantages in
-        a run with a teacher), plus the KL term against the reference when the run has one (`trainer.kl.coef` > 0;
-        its value then in the metrics' `kl`)."""
-        adv, distilled = self.advantages(adv, mb.teacher_logp, mb.rollout_logp, mb.mask)
+        a run with a teacher: `adv` [rows, T-1], cut here to the micro-batch's width), plus the KL term against the
+        reference when the run has one (`trainer.kl.coef` > 0; its value then in the metrics' `kl`)."""
+        adv = adv if adv.dim() == 1 else adv[:, : logp.shape[1]]
         loss, metrics = policy_loss(logp, logp_old, mb.rollout_logp, adv, mb.mask, self.loss_settings, normalizer)
         loss, kl = self.kl_term(loss, logp, mb.ref_logp, mb.mask, normalizer)
-        return loss, {**metrics, **kl, **distilled}
+        return loss, {**metrics, **kl}
