@@ -12,7 +12,7 @@
     relax --version                           this package's version and the pinned nats-server's
     relax model import-gguf [GGUF] --out DIR  a GGUF file (default: SmolLM2-135M-Instruct) as an HF directory
     relax model warmup CONFIG --out DIR       CONFIG's policy after its supervised warm-up, as an HF directory
-    relax model judge-train CONFIG --data F --out DIR   a judge (CONFIG's judge section) trained on labelled pairs
+    relax model judge-train CONFIG --out DIR  a judge (CONFIG's judge section) trained on its policy's labelled samples
     relax export RUN --out DIR [--step N] [--merge]  a run's checkpoint as an HF directory (LoRA: its adapter)
 
 Arguments are parsed before anything heavy is imported; a role imports only what its module needs.
@@ -128,16 +128,23 @@ def _parser() -> argparse.ArgumentParser:
     jt = m_sub.add_parser("judge-train", help="train a judge model (CONFIG's judge section) on labelled pairs")
     jt.add_argument("config", help=CONFIG_HELP)
     with_overrides(jt)
-    jt.add_argument(
+    data = jt.add_mutually_exclusive_group()
+    data.add_argument(
         "--data",
-        help='JSON Lines of {"prompt", "response", "label": true|false} (default: right and near-miss answers of '
-        "CONFIG's task, for whole-number answers)",
+        help='JSON Lines of {"prompt", "response", "label": true|false} (default: samples of CONFIG\'s policy along '
+        "its warm-up, labelled by the rule)",
+    )
+    data.add_argument(
+        "--task-pairs", action="store_true", help="train on each task item's answer and near misses (whole numbers)"
     )
     jt.add_argument("--out", required=True, help="the directory to write (must not exist or be empty)")
     jt.add_argument("--base", help="the model to start from (a model source; default: CONFIG's model.source)")
-    jt.add_argument("--steps", type=int, default=800, help="supervised steps (default 800)")
+    jt.add_argument("--steps", type=int, default=1500, help="most supervised steps (default 1500)")
     jt.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
     jt.add_argument("--batch-size", type=int, default=64, help="pairs per step (default 64)")
+    jt.add_argument(
+        "--patience", type=int, default=8, help="stop after this many checks without a better agreement (default 8)"
+    )
 
     cmp = sub.add_parser("compare", help="runs side by side: how far each one's reward rose, and their curves")
     cmp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories of `relax run` (runs/<run>)")
@@ -315,25 +322,44 @@ def _warmup(args: argparse.Namespace) -> int:
 
 def _judge_train(args: argparse.Namespace) -> int:
     from workers.config import PipelineConfig
-    from workers.launch.judge_train import train_judge
+    from workers.launch.judge_train import labelled_pairs, train_judge
 
     config = config_with_overrides(args, PipelineConfig)
 
+    def sampled(fields: dict[str, float]) -> None:
+        at = {0.0: "before the warm-up", -1.0: "at the warm-up's end"}.get(
+            fields["step"], f"warm-up step {fields['step']:.0f}"
+        )
+        print(
+            f"judge data round {fields['round']:.0f} ({at}): {fields['samples']:.0f} samples, "
+            f"rule accuracy {fields['accuracy']:.3f}",
+            flush=True,
+        )
+
     def progress(fields: dict[str, float]) -> None:
         step, agreed = int(fields["step"]), fields["agreement"]
-        print(f"judge step {step}/{args.steps}: held-out agreement {agreed:.3f}", flush=True)
+        print(f"judge step {step}/{args.steps}: loss {fields['loss']:.4f}, held-out agreement {agreed:.3f}", flush=True)
 
     try:
-        data = Path(args.data) if args.data else None
+        pairs, origin = labelled_pairs(config, Path(args.data) if args.data else None, args.task_pairs, sampled)
         record = train_judge(
-            config, data, Path(args.out), args.base, args.steps, args.lr, args.batch_size, on_check=progress
+            config,
+            pairs,
+            Path(args.out),
+            args.base,
+            args.steps,
+            args.lr,
+            args.batch_size,
+            patience=args.patience,
+            origin=origin,
+            on_check=progress,
         )
     except ValueError as err:  # deliberate: unusable data, config or output directory, said in one line
         print(f"relax: error: {err}", file=sys.stderr)
         return 2
     print(
-        f"judge directory: {args.out} ({record['pairs']} pairs, held-out agreement {record['agreement']:.3f} at step "
-        f"{record['best_step']})"
+        f"judge directory: {args.out} ({record['pairs']} pairs from {origin}, {record['right_share']:.0%} right; "
+        f"held-out agreement {record['agreement']:.3f} at step {record['best_step']})"
     )
     return 0
 

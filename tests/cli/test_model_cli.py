@@ -43,9 +43,22 @@ def test_warmup_writes_a_model_directory_a_teacher_can_name(tmp_path):
 
 def test_judge_train_writes_a_judge_and_refuses_bad_data_in_one_line(tmp_path):
     out = tmp_path / "judge"
-    done = relax("model", "judge-train", "examples/judge.yaml", *SHORT, "--steps", "4", "--out", str(out), timeout=360)
+    done = relax(
+        "model",
+        "judge-train",
+        "examples/judge.yaml",
+        *SHORT,
+        "--task-pairs",
+        "--steps",
+        "4",
+        "--out",
+        str(out),
+        timeout=360,
+    )
     assert done.returncode == 0, done.stderr
-    assert "judge step 4/4: held-out agreement" in done.stdout and f"judge directory: {out}" in done.stdout
+    assert (
+        "judge step 4/4: loss" in done.stdout and f"judge directory: {out} (500 pairs from task addition" in done.stdout
+    )
     record = json.loads((out / "relax_source.json").read_text())
     assert record["source"] == "judge-train" and record["pairs"] == 500 and 0.0 <= record["agreement"] <= 1.0
     config = load_config("examples/judge.yaml", {"judge.source": str(out), "model.source": "tiny:64x2"})
@@ -55,3 +68,16 @@ def test_judge_train_writes_a_judge_and_refuses_bad_data_in_one_line(tmp_path):
     refused = relax("model", "judge-train", "examples/judge.yaml", "--data", str(bad), "--out", str(tmp_path / "j2"))
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
     assert f"{bad}:1: not a labelled pair" in refused.stderr
+
+
+def test_judge_train_samples_the_policy_along_its_warm_up_and_refuses_samples_all_wrong(tmp_path):
+    warmup = ("trainer.warmup.max_steps=4", "trainer.warmup.noise_steps=1")
+    out = tmp_path / "judge"
+    done = relax("model", "judge-train", "examples/judge.yaml", *SHORT, *warmup, "--out", str(out), timeout=300)
+    # The policy is sampled before its warm-up, at its checks (steps 2 and 4) and at its end: 4 x 100 items x 2. Four
+    # warm-up steps leave it wrong on every item, and a judge needs right and wrong samples: refused in one line.
+    assert "judge data round 1 (before the warm-up): 200 samples, rule accuracy 0.000" in done.stdout
+    assert "judge data round 2 (warm-up step 2): 200 samples" in done.stdout
+    assert "judge data round 4 (at the warm-up's end): 200 samples" in done.stdout
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "the labelled pairs must hold right and wrong ones" in done.stderr and not out.exists()

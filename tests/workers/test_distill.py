@@ -18,7 +18,7 @@ from workers.engines.torch_engine import TorchEngine
 from workers.preflight import preflight
 from workers.roles.reference import replayed_logprobs
 from workers.training.batch import make_batch, untrainable
-from workers.training.distill import distill_advantages, reverse_kl
+from workers.training.distill import DistillTerm, distill_advantages, group_baseline, reverse_kl
 from workers.training.logprobs import token_logprobs
 from workers.training.policy_losses import POLICY_LOSSES, LossSettings, policy_loss
 from workers.training.trainer import PolicyTrainer
@@ -40,12 +40,52 @@ def test_the_advantage_is_the_teacher_minus_the_sampling_log_prob_plus_the_weigh
     assert reverse_kl(teacher, sampling, mask) == pytest.approx((-1.0 + 0.5 + 1.0 + 0.0 - 0.5) / 5)
 
 
+def test_the_group_baseline_is_the_mean_of_the_groups_other_rows_at_each_position():
+    values = torch.tensor([[1.0, 2.0, 5.0], [3.0, 4.0, 9.0], [-4.0, 6.0, float("nan")], [7.0, 8.0, 1.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 0], [1, 1, 1]])
+    base = group_baseline(values, mask, [0, 0, 0, 1])  # rows 0-2 answer one prompt, row 3 another
+    expected = torch.tensor([[-0.5, 5.0, 0.0], [-1.5, 4.0, 0.0], [2.0, 3.0, 0.0], [0.0, 0.0, 0.0]])
+    assert torch.equal(base, expected)  # row 0 at t=2: no other valid row; row 3: alone in its group
+    assert torch.equal(group_baseline(values, mask, [5, 5, 5, 2]), expected)  # any ids, the same groups
+
+
+def test_the_group_baseline_ignores_the_rows_own_value_and_centres_a_full_group():
+    gen = torch.Generator().manual_seed(0)
+    values, mask = torch.randn(6, 4, generator=gen), torch.ones(6, 4)
+    groups = [0, 1, 0, 1, 0, 1]  # rows of a group need not be adjacent
+    base = group_baseline(values, mask, groups)
+    moved = values.clone()
+    moved[2] += 100.0
+    assert torch.equal(group_baseline(moved, mask, groups)[2], base[2])  # independent of its own sample: unbiased
+    centred = values - base
+    for g in (0, 1):
+        rows = [i for i, x in enumerate(groups) if x == g]
+        assert torch.allclose(centred[rows].sum(dim=0), torch.zeros(4), atol=1e-6)
+
+
+def test_the_distill_term_subtracts_the_group_baseline_unless_told_not_to():
+    teacher = torch.tensor([[-0.1, -0.2], [-9.0, -0.3], [-8.0, -0.1]])
+    sampling = torch.tensor([[-2.0, -0.1], [-1.0, -0.2], [-0.5, -0.3]])
+    mask, seq, groups = torch.ones(3, 2), torch.zeros(3), [0, 0, 0]
+    plain, metrics = DistillTerm(1.0, 0.0, baseline="none")(seq, teacher, sampling, mask, groups)
+    assert torch.allclose(plain, teacher - sampling)
+    centred, _ = DistillTerm(1.0, 0.0)(seq, teacher, sampling, mask, groups)
+    gap = teacher - sampling
+    assert torch.allclose(centred, gap - group_baseline(gap, mask, groups))
+    assert centred[0, 0] > plain[0, 0] > 0 > centred[1, 0] > plain[1, 0]  # the right token among wrong ones gains
+    assert metrics["distill_reverse_kl"] == pytest.approx(float(-gap.mean()))
+    with pytest.raises(ValueError, match="baseline"):
+        DistillTerm(1.0, 0.0, baseline="batch")
+
+
 def test_shapes_are_checked():
     mask = torch.ones(2, 3)
     with pytest.raises(ValueError, match="seq_adv"):
         distill_advantages(torch.zeros(3), torch.zeros(2, 3), torch.zeros(2, 3), mask, 1.0, 0.0)
     with pytest.raises(ValueError, match="teacher_logp"):
         distill_advantages(torch.zeros(2), torch.zeros(2, 4), torch.zeros(2, 3), mask, 1.0, 0.0)
+    with pytest.raises(ValueError, match="group_of"):
+        group_baseline(torch.zeros(2, 3), mask, [0])
 
 
 @pytest.mark.parametrize("loss", sorted(POLICY_LOSSES))

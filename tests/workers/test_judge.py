@@ -14,9 +14,9 @@ from schemas import Judgement, RewardDetail, ScoredGroup, TrainGroup
 from tests.workers.test_trainer import engine_groups
 from workers.config import parse_config
 from workers.data.models import load_model, load_tokenizer, materialize
-from workers.data.tasks import load_task
+from workers.data.tasks import load_task, prompt_text
 from workers.engines.torch_engine import TorchEngine
-from workers.launch.judge_train import read_labelled, task_pairs
+from workers.launch.judge_data import policy_pairs, read_labelled, task_pairs
 from workers.rewards.judge import Judge, judge_prompt, parse_verdict
 from workers.rewards.scorer import Scorer
 from workers.roles.reward import Judged, score_group
@@ -166,6 +166,27 @@ def test_task_pairs_are_the_answer_and_near_misses(tmp_path):
     assert all((p.response == p.reference) == p.label for p in pairs)
     with pytest.raises(ValueError, match="whole-number answers"):
         task_pairs(load_task({"type": "reverse", "seed": 0})[:2])
+
+
+def test_policy_pairs_are_the_policys_samples_labelled_by_the_rule():
+    cfg = parse_config(
+        {
+            "run": "judge",
+            "model": {"source": "tiny:64x2"},
+            "task": {"type": "addition", "options": {"seed": 0}},
+            "rollout": {"max_new_tokens": 3},
+            "judge": {"source": "tiny:64x2", "check": {"type": "exact"}},
+            "trainer": {"warmup": {"max_steps": 2, "check_every": 1, "lr": 3e-3, "noise_steps": 1, "label_noise": 0.5}},
+        }
+    )
+    rounds: list[dict[str, float]] = []
+    pairs = policy_pairs(cfg, samples_per_item=2, on_sampled=rounds.append)
+    items = load_task({"type": "addition", "seed": 0})
+    assert [r["step"] for r in rounds] == [0.0, 1.0, 2.0, -1.0]  # before, at each check, at the end
+    assert len(pairs) == 4 * 2 * len(items) and all(r["samples"] == 2 * len(items) for r in rounds)
+    assert all(p.response.strip() == p.reference for p in pairs if p.label)  # exact: right only when it is the answer
+    assert {p.prompt for p in pairs} == {prompt_text(i.parts) for i in items}
+    assert len({p.response for p in pairs}) > 10  # sampled, not the answers: the untrained policy babbles
 
 
 def test_labelled_data_errors_name_the_line(tmp_path):

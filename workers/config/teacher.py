@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from workers.config.base import Section
@@ -23,3 +25,7 @@ class TeacherConfig(Section):
     reward_coef: float = Field(default=0.0, ge=0)
     """Weight of the reward's advantage beside it: 0 distills only (the rewards are still computed and logged), 1
     adds the teacher's term to the reward's advantage."""
+    baseline: Literal["group", "none"] = "group"
+    """Baseline subtracted from the teacher's per-token term: `group`, the mean of that term over the group's other
+    samples at the same position (unbiased, far less noisy; `workers.training.distill`); `none`, plain per-token
+    REINFORCE on it."""

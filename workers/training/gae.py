@@ -19,6 +19,8 @@ hold any value.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -91,8 +93,8 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
 
 
 class GaeTerm:
-    """The actor's `gae` advantage: per-token A_t from a micro-batch's rewards ([B], one per row) and the critic's
-    values ([B, T]); the sequence advantage the trainer passes is not used."""
+    """The actor's `gae` advantage: per-token A_t from a step's rewards ([N], one per row) and the critic's values
+    ([N, T]); the sequence advantage the trainer passes is not used."""
 
     def __init__(self, gamma: float, lam: float) -> None:
         self.gamma, self.lam = gamma, lam
@@ -103,6 +105,7 @@ class GaeTerm:
         teacher_logp: Tensor | None,
         sampling_logp: Tensor,
         mask: Tensor,
+        group_of: Sequence[int],
         values: Tensor | None = None,
         rewards: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, float]]:

@@ -9,8 +9,9 @@ updates on them (see `workers.training.microbatch` for how they are cut):
                                                                      # update (= logp.detach() with one update)
     for epoch, for mini-batch, accumulated over its micro-batches:
       logp      = token_logprobs(policy, ...)                        # with grad
-      A_t       = coef (logp_teacher - logp_rollout) + reward_coef A # per token, in a run with a teacher
-                                                                     # (`workers.training.distill`); else A
+      A_t       = coef (d_t - b_t) + reward_coef A                   # per token, once per step, in a run with a
+                                                                     # teacher, d_t = logp_teacher - logp_rollout, b_t
+                                                                     # its group baseline (`workers.training.distill`)
                   or GAE(r, V_critic, gamma, lam)                    # per token, in a run with a critic
                                                                      # (`workers.training.gae`)
       loss      = policy_loss(logp, logp_old, logp_rollout, A)       # trainer.loss, reweighted by trainer.correction
@@ -132,9 +133,9 @@ class PolicyTrainer:
         self.kl_term = KlTerm(cfg.kl.coef, cfg.kl.kind, cfg.aggregation) if cfg.kl.coef > 0 else no_kl
         teacher, critic = config.teacher, config.critic
         self.advantages: Advantages = reward_advantages
-        """The advantages of a micro-batch's tokens: the reward's, with the teacher's per-token term, or GAE's."""
+        """The advantages of a step's tokens: the reward's, with the teacher's per-token term, or GAE's."""
         if teacher is not None:
-            self.advantages = DistillTerm(teacher.coef, teacher.reward_coef)
+            self.advantages = DistillTerm(teacher.coef, teacher.reward_coef, teacher.baseline)
         elif critic is not None:
             self.advantages = GaeTerm(critic.gamma, critic.lam)
         self.optimizer = make_optimizer(self.model, cfg.optim.lr, cfg.optim.weight_decay)
@@ -191,8 +192,12 @@ class PolicyTrainer:
         started = time.perf_counter()
         batch, masked = stale_masked(groups, make_batch(groups, media), version, self.config.staleness)
         rewards, shaping = shaped_rewards(batch, self.cfg.overlong)  # [B, n]
-        adv = self._sequence_advantages(rewards, batch)  # [N]
+        adv = self._sequence_advantages(rewards, batch)  # [N]; the rewards themselves under `gae`
         value_fit = self._value_fit(batch)
+        # [N], or [N, T-1] with a teacher or a critic: once per step, so a group's baseline sees all of its rows
+        adv, distilled = self.advantages(
+            adv, batch.teacher_logp, batch.rollout_logp, batch.mask, batch.group_of, batch.values, adv
+        )
         plans = [self._plan(batch, rows) for rows in split_even(batch.ids.shape[0], self.cfg.mini_batches)]
         self.forward.begin_step()
         updates = self.cfg.updates_per_step
@@ -207,6 +212,7 @@ class PolicyTrainer:
             **shaping,
             **value_fit,
             **masked,
+            **distilled,
             **self.forward.metrics(),
             "updates": float(updates),
             "lr": float(self.scheduler.get_last_lr()[0]),
@@ -216,7 +222,7 @@ class PolicyTrainer:
 
     def _sequence_advantages(self, rewards: torch.Tensor, batch: Batch) -> torch.Tensor:
         """A = group_advantages(r) per response: [B, n] -> [N]; under `gae` the rewards themselves (the per-token
-        advantages come from them and the critic's values, micro-batch by micro-batch: `GaeTerm`)."""
+        advantages come from them and the critic's values, once per step: `GaeTerm`)."""
         estimator = self.cfg.advantage
         if estimator.type == "gae":
             return ADVANTAGE_ESTIMATORS["gae"](rewards, 0.0).reshape(-1)
@@ -276,9 +282,9 @@ class PolicyTrainer:
         self, mb: Batch, logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, normalizer: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """A micro-batch's share of the mini-batch's loss: the policy loss (on the teacher's per-token advantages in
-        a run with a teacher), plus the KL term against the reference when the run has one (`trainer.kl.coef` > 0;
-        its value then in the metrics' `kl`)."""
-        adv, distilled = self.advantages(adv, mb.teacher_logp, mb.rollout_logp, mb.mask, mb.values, adv)
+        a run with a teacher or a critic: `adv` [rows, T-1], cut here to the micro-batch's width), plus the KL term
+        against the reference when the run has one (`trainer.kl.coef` > 0; its value then in the metrics' `kl`)."""
+        adv = adv if adv.dim() == 1 else adv[:, : logp.shape[1]]
         loss, metrics = policy_loss(logp, logp_old, mb.rollout_logp, adv, mb.mask, self.loss_settings, normalizer)
         loss, kl = self.kl_term(loss, logp, mb.ref_logp, mb.mask, normalizer)
-        return loss, {**metrics, **kl, **distilled}
+        return loss, {**metrics, **kl}

@@ -1,0 +1,158 @@
+"""A judge's labelled data (`relax model judge-train`): pairs read from a file, near misses of the task's answers, or
+on-policy samples of the run's own policy labelled by the rule.
+
+The judge is asked about the policy's samples, so it learns best from them: `policy_pairs` samples the config's
+policy along its supervised warm-up (`trainer.warmup`) — at each accuracy check, from no format to mostly right, and
+once after the noisy steps, where RL starts — and labels every sample with the rule. A judge trained on them meets,
+in the run, the answers it was trained on; one trained on `task_pairs` (each item's one right answer and a few near
+misses) must tell right from wrong on items whose right answer it may never have seen labelled.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from workers.config import PipelineConfig
+from workers.data.jsonl_task import jsonl_lines
+from workers.data.task_items import TaskItem
+from workers.data.tasks import prompt_text
+
+
+@dataclass(frozen=True)
+class Labelled:
+    """One labelled pair: a prompt, a response, the task's answer (or None) and whether the response is right."""
+
+    prompt: str
+    response: str
+    reference: str | None
+    label: bool
+
+
+def read_labelled(path: Path) -> list[Labelled]:
+    """The pairs of a JSON Lines file; ValueError naming the first bad line (and the file) otherwise."""
+    if not path.is_file():
+        raise ValueError(f"labelled data {path} is not a file")
+    pairs = []
+    for number, line in jsonl_lines(path, "labelled data"):
+        try:
+            row = json.loads(line)
+            pair = Labelled(str(row["prompt"]), str(row["response"]), row.get("reference"), row["label"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{path}:{number}: not a labelled pair ({err.__class__.__name__}: {err})") from None
+        if not isinstance(pair.label, bool):
+            raise ValueError(f"{path}:{number}: label must be true or false, got {pair.label!r}")
+        pairs.append(pair)
+    if len(pairs) < 10:
+        raise ValueError(f"labelled data {path} has {len(pairs)} pairs: a judge needs at least 10")
+    return pairs
+
+
+def task_pairs(items: Sequence[TaskItem], wrong_per_item: int = 4, seed: int = 0) -> list[Labelled]:
+    """Labelled pairs from task items whose answers are whole numbers: the answer (right) and near misses (wrong);
+    ValueError when an item's answer is not one."""
+    rng = random.Random(seed)
+    pairs = []
+    for item in items:
+        answer = (item.answer or "").strip()
+        if not answer.lstrip("-").isdigit():
+            raise ValueError(f"task pairs need whole-number answers; an item's answer is {item.answer!r}: give --data")
+        value = int(answer)
+        question = prompt_text(item.parts)
+        pairs.append(Labelled(question, answer, answer, True))
+        misses = {value + d for d in (-10, -1, 1, 10)} | {int(_changed_digit(answer, rng))}
+        misses.discard(value)
+        for wrong in rng.sample(sorted(misses), min(wrong_per_item, len(misses))):
+            pairs.append(Labelled(question, str(wrong), answer, False))
+    return pairs
+
+
+def _changed_digit(answer: str, rng: random.Random) -> str:
+    digits = list(answer)
+    spots = [i for i, c in enumerate(digits) if c.isdigit()]
+    i = rng.choice(spots)
+    digits[i] = rng.choice([d for d in "0123456789" if d != digits[i]])
+    return "".join(digits)
+
+
+def policy_pairs(
+    config: PipelineConfig,
+    samples_per_item: int = 2,
+    on_sampled: Callable[[dict[str, float]], None] | None = None,
+) -> list[Labelled]:
+    """On-policy labelled samples: `config`'s policy (`model.source`) sampled along its warm-up at each accuracy
+    check and once at its end (the weights RL starts from; once only without a warm-up), every task item x
+    `samples_per_item` at the rollout's sampling settings, each sample labelled right when the rule scores it
+    >= 0.5. The rule is `judge.check` when the config sets one, else the task's default reward (`exact` for
+    addition). The response is the text the run's judge reads (`workers.roles.reward.scored_text`).
+
+    `on_sampled` is told each round: its number, the warm-up step, the samples and the rule's accuracy on them."""
+    import torch
+
+    from schemas import RolloutGroup, WireTensor
+    from workers.config import task_spec
+    from workers.data.models import materialize
+    from workers.data.prompts import prompt_ids
+    from workers.data.tasks import load_task
+    from workers.engines.base import SamplingSettings
+    from workers.engines.torch_engine import TorchEngine
+    from workers.rewards.scorer import Scorer
+    from workers.roles.feeder import group_for
+    from workers.roles.reward import make_scorer_from, score_group, scored_text
+    from workers.roles.rollout import sample_of
+    from workers.training.trainer import PolicyTrainer
+    from workers.training.warmup import run_warmup
+
+    items = load_task(task_spec(config.task))
+    if not any(item.answer is not None for item in items):
+        raise ValueError("policy samples are labelled by the rule against the task's answers: the task has none")
+    check = config.judge.check if config.judge is not None else None
+    scorer = Scorer([check]) if check is not None else make_scorer_from(config)
+    m, r = config.model, config.rollout
+    sampling = SamplingSettings(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
+    n = samples_per_item
+    pairs: list[Labelled] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="relax-judge-data-") as scratch:
+            base = materialize(config.model.source, Path(scratch) / "base", config.model.seed)
+            trainer = PolicyTrainer(base, config)
+            engine = TorchEngine(base)
+            prompts = [group_for("judge-data", n, items, i, 0) for i in range(len(items))]
+            ids = [
+                prompt_ids(trainer.tokenizer, prompt_text(p.parts), m.prompt_format, m.system_prompt) for p in prompts
+            ]
+
+            def sample(step: float) -> None:
+                round_ = len(pairs) // max(1, n * len(items))
+                engine.load_state_dict(trainer.full_state(), round_)
+                seeds = [(round_ * len(ids) + i) * n for i in range(len(ids))]
+                outputs = engine.generate(ids, n, sampling, seeds=seeds)
+                right = 0
+                for prompt, prompt_ids_, out in zip(prompts, ids, outputs, strict=True):
+                    group = RolloutGroup(
+                        prompt=prompt,
+                        prompt_token_ids=WireTensor.from_values(prompt_ids_, "int32"),
+                        samples=tuple(sample_of(g) for g in out),
+                        policy_version=round_,
+                    )
+                    scored = score_group(scorer, group)
+                    question = prompt_text(prompt.parts)
+                    for s, reward in zip(group.samples, scored.rewards, strict=True):
+                        right += reward >= 0.5
+                        pairs.append(Labelled(question, scored_text(engine.tokenizer, s), prompt.answer, reward >= 0.5))
+                if on_sampled is not None:
+                    total = n * len(ids)
+                    on_sampled({"round": float(round_ + 1), "step": step, "samples": total, "accuracy": right / total})
+
+            with torch.no_grad():
+                sample(0.0)  # the untrained policy: what it says before it has the format
+            if config.trainer.warmup.max_steps > 0:
+                run_warmup(trainer, items, lambda fields: sample(fields["warmup_step"]))
+                sample(-1.0)  # the warm-up's end (after its noisy steps): where RL starts
+    finally:
+        scorer.close()
+    return pairs
