@@ -205,11 +205,12 @@ def test_the_batch_lays_the_values_out_as_the_mask(setup):
 def test_gae_advantages_reach_the_loss_per_token():
     term = GaeTerm(gamma=1.0, lam=1.0)
     mask = torch.tensor([[0.0, 1.0, 1.0]])
-    adv, metrics = term(torch.zeros(1), None, torch.zeros(1, 3), mask, torch.tensor([[0.0, 0.25, 0.5]]), torch.ones(1))
+    values = torch.tensor([[0.0, 0.25, 0.5]])
+    adv, metrics = term(torch.zeros(1), None, torch.zeros(1, 3), mask, [0], values, torch.ones(1))
     assert torch.allclose(adv, torch.tensor([[0.0, 0.75, 0.5]]))
     assert metrics["gae_advantage_mean"] == pytest.approx(0.625)
     with pytest.raises(ValueError, match="critic's values"):
-        term(torch.zeros(1), None, torch.zeros(1, 3), mask)
+        term(torch.zeros(1), None, torch.zeros(1, 3), mask, [0])
 
 
 def test_a_step_trains_on_gae_where_grpo_would_see_no_signal(setup):

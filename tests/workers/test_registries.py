@@ -71,6 +71,7 @@ NOT_ROLES = {
     ("workers/rewards/sandbox/client.py", "reward"),  # who the sandbox runs code for, in its refusal line
     ("workers/config/judge.py", "reference"),  # the judge template's `{reference}` field (the task's answer)
     ("workers/launch/judge_train.py", "reference"),  # the labelled pair's `reference` key
+    ("workers/launch/judge_data.py", "reference"),  # a labelled pair's reference answer
     ("workers/metrics/samples.py", "reward"),  # a samples table's column
     ("workers/preflight.py", "teacher"),  # the `teacher` pre-start check (of the teacher section)
     ("workers/training/batch.py", "reference"),  # which log-probs a refusal line is about
