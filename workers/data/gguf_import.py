@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from relax_bus.log import get_logger
-from workers.data.models import SOURCE_FILE
+from workers.data.model_build import SOURCE_FILE
 
 log = get_logger(__name__)
 

@@ -27,7 +27,8 @@ from workers.checkpoints.sharded import read_model
 from workers.checkpoints.whole import read_checkpoint
 from workers.config import PipelineConfig
 from workers.config.trainer_sections import LoraConfig
-from workers.data.models import SOURCE_FILE, load_model, load_tokenizer, materialize
+from workers.data.model_build import SOURCE_FILE
+from workers.data.models import load_model, load_tokenizer, materialize
 from workers.errors import CheckpointRefused, ExportFailed
 from workers.launch.embedded import serve_run_dir
 from workers.roles.actor_checkpoint import kept_checkpoints
