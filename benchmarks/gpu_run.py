@@ -135,14 +135,10 @@ def wide_byte_tokenizer(vocab: int) -> Any:
     """A byte-level tokenizer of `vocab` ids: 0..255 the bytes, 256..258 pad/bos/eos (as the byte tokenizer of
     `workers.data.tokenizer`), the rest multi-byte strings no text encodes to (no merges) but that decode, so a
     model of a real vocabulary samples every id and each one reads back as text."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from workers.data.tokenizer import BOS, BOS_ID, EOS, EOS_ID, PAD, PAD_ID, VOCAB_SIZE, _byte_alphabet
+    from workers.data.tokenizer import VOCAB_SIZE, _byte_alphabet, byte_level_tokenizer
 
     alphabet = _byte_alphabet()
-    table: dict[str, int] = {ch: b for b, ch in enumerate(alphabet)}
-    table.update({PAD: PAD_ID, BOS: BOS_ID, EOS: EOS_ID})
+    extra: dict[str, int] = {}
     width, i = 2, VOCAB_SIZE
     while i < vocab:  # every string of `width` byte characters, in order, until the vocabulary is full
         for k in range(len(alphabet) ** width):
@@ -152,21 +148,10 @@ def wide_byte_tokenizer(vocab: int) -> Any:
             for _ in range(width):
                 rest, digit = divmod(rest, len(alphabet))
                 chars.append(alphabet[digit])
-            table["".join(chars)] = i
+            extra["".join(chars)] = i
             i += 1
         width += 1
-    core = Tokenizer(models.BPE(vocab=table, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    core.decoder = decoders.ByteLevel()
-    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (PAD, BOS, EOS)])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token=PAD,
-        bos_token=BOS,
-        eos_token=EOS,
-        model_max_length=1 << 30,
-        split_special_tokens=True,
-    )
+    return byte_level_tokenizer(extra)
 
 
 def build_model(shape: str, target: Path, device: str) -> Path:

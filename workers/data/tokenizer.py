@@ -37,8 +37,15 @@ SPECIAL_IDS = {"pad_token_id": PAD_ID, "bos_token_id": BOS_ID, "eos_token_id": E
 
 def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     """Build the byte tokenizer (259 ids) as a transformers fast tokenizer."""
+    return byte_level_tokenizer({})
+
+
+def byte_level_tokenizer(extra: dict[str, int]) -> PreTrainedTokenizerFast:
+    """The byte tokenizer with `extra` strings of byte characters as further ids (no merges: no text encodes to
+    them, but each decodes), e.g. to give a model of a real vocabulary size an id for every row."""
     vocab = {ch: b for b, ch in enumerate(_byte_alphabet())}
     vocab.update({PAD: PAD_ID, BOS: BOS_ID, EOS: EOS_ID})
+    vocab.update(extra)
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
