@@ -420,7 +420,9 @@ def validation_problems(err: ValidationError) -> list[str]:
         if e["type"] == "setting_removed":  # a key of an earlier config: the message names it and its new place
             problems.append(msg)
             continue
-        got = "" if e["type"] in {"missing", "extra_forbidden"} else f" (got {e.get('input')!r})"
+        # A whole section (a check across its fields) is not repeated back: the message names what is wrong.
+        whole = isinstance(e.get("input"), dict)
+        got = "" if e["type"] in {"missing", "extra_forbidden"} or whole else f" (got {e.get('input')!r})"
         if e["type"] == "extra_forbidden":
             msg = "unknown setting"
         elif e["type"] == "union_tag_invalid":  # a plug-in `type` that no registry knows
