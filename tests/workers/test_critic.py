@@ -17,6 +17,7 @@ from workers.data.models import load_model, materialize
 from workers.engines.torch_engine import TorchEngine
 from workers.roles.critic import CriticState, group_key
 from workers.training.batch import make_batch, untrainable
+from workers.training.distill import StepTokens
 from workers.training.gae import GaeTerm, clipped_value_loss, explained_variance, gae
 from workers.training.step_metrics import critic_metrics
 from workers.training.trainer import PolicyTrainer
@@ -206,11 +207,11 @@ def test_gae_advantages_reach_the_loss_per_token():
     term = GaeTerm(gamma=1.0, lam=1.0)
     mask = torch.tensor([[0.0, 1.0, 1.0]])
     values = torch.tensor([[0.0, 0.25, 0.5]])
-    adv, metrics = term(torch.zeros(1), None, torch.zeros(1, 3), mask, [0], values, torch.ones(1))
+    adv, metrics = term(torch.ones(1), StepTokens(torch.zeros(1, 3), mask, [0], values=values))  # reward 1
     assert torch.allclose(adv, torch.tensor([[0.0, 0.75, 0.5]]))
     assert metrics["gae_advantage_mean"] == pytest.approx(0.625)
     with pytest.raises(ValueError, match="critic's values"):
-        term(torch.zeros(1), None, torch.zeros(1, 3), mask, [0])
+        term(torch.ones(1), StepTokens(torch.zeros(1, 3), mask, [0]))
 
 
 def test_a_step_trains_on_gae_where_grpo_would_see_no_signal(setup):

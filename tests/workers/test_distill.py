@@ -18,7 +18,7 @@ from workers.engines.torch_engine import TorchEngine
 from workers.preflight import preflight
 from workers.roles.reference import replayed_logprobs
 from workers.training.batch import make_batch, untrainable
-from workers.training.distill import DistillTerm, distill_advantages, group_baseline, reverse_kl
+from workers.training.distill import DistillTerm, StepTokens, distill_advantages, group_baseline, reverse_kl
 from workers.training.logprobs import token_logprobs
 from workers.training.policy_losses import POLICY_LOSSES, LossSettings, policy_loss
 from workers.training.trainer import PolicyTrainer
@@ -67,9 +67,9 @@ def test_the_distill_term_subtracts_the_group_baseline_unless_told_not_to():
     teacher = torch.tensor([[-0.1, -0.2], [-9.0, -0.3], [-8.0, -0.1]])
     sampling = torch.tensor([[-2.0, -0.1], [-1.0, -0.2], [-0.5, -0.3]])
     mask, seq, groups = torch.ones(3, 2), torch.zeros(3), [0, 0, 0]
-    plain, metrics = DistillTerm(1.0, 0.0, baseline="none")(seq, teacher, sampling, mask, groups)
+    plain, metrics = DistillTerm(1.0, 0.0, baseline="none")(seq, StepTokens(sampling, mask, groups, teacher))
     assert torch.allclose(plain, teacher - sampling)
-    centred, _ = DistillTerm(1.0, 0.0)(seq, teacher, sampling, mask, groups)
+    centred, _ = DistillTerm(1.0, 0.0)(seq, StepTokens(sampling, mask, groups, teacher))
     gap = teacher - sampling
     assert torch.allclose(centred, gap - group_baseline(gap, mask, groups))
     assert centred[0, 0] > plain[0, 0] > 0 > centred[1, 0] > plain[1, 0]  # the right token among wrong ones gains

@@ -38,6 +38,7 @@ estimate of the per-token reverse KL of the sampling policy), computed before th
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -98,21 +99,25 @@ def reverse_kl(teacher_logp: Tensor, sampling_logp: Tensor, mask: Tensor) -> flo
     return masked_mean(masked(sampling_logp, valid) - masked(teacher_logp, valid), valid)
 
 
-class Advantages(Protocol):
-    """What the trainer's loss takes as its advantages: a step's sequence advantages [N] in, with the batch's teacher
-    and sampling log-probs, mask [N, T] and the group of each row (and, in a run with a critic, its values [N, T] and
-    the rows' rewards [N]); the advantages of its tokens ([N] or [N, T]) and metrics out."""
+@dataclass(frozen=True)
+class StepTokens:
+    """What a per-token advantage reads of a step's batch (`workers.training.batch.Batch`): tensors [N, T] laid out
+    as its mask, and the group of each row."""
 
-    def __call__(
-        self,
-        seq_adv: Tensor,
-        teacher_logp: Tensor | None,
-        sampling_logp: Tensor,
-        mask: Tensor,
-        group_of: Sequence[int],
-        values: Tensor | None = None,
-        rewards: Tensor | None = None,
-    ) -> tuple[Tensor, dict[str, float]]: ...
+    sampling_logp: Tensor
+    mask: Tensor
+    group_of: Sequence[int]
+    teacher_logp: Tensor | None = None
+    """The teacher's log-probs (a run with a teacher)."""
+    values: Tensor | None = None
+    """The critic's values (a run with a critic)."""
+
+
+class Advantages(Protocol):
+    """What the trainer's loss takes as its advantages: a step's sequence advantages [N] (under `gae`, the rows'
+    rewards) and its tokens in; the advantages of its tokens ([N] or [N, T]) and metrics out."""
+
+    def __call__(self, seq_adv: Tensor, tokens: StepTokens) -> tuple[Tensor, dict[str, float]]: ...
 
 
 class DistillTerm:
@@ -125,33 +130,17 @@ class DistillTerm:
             raise ValueError(f"unknown baseline {baseline!r}; valid: group, none")
         self.coef, self.reward_coef, self.baseline = coef, reward_coef, baseline
 
-    def __call__(
-        self,
-        seq_adv: Tensor,
-        teacher_logp: Tensor | None,
-        sampling_logp: Tensor,
-        mask: Tensor,
-        group_of: Sequence[int],
-        values: Tensor | None = None,
-        rewards: Tensor | None = None,
-    ) -> tuple[Tensor, dict[str, float]]:
-        if teacher_logp is None:
+    def __call__(self, seq_adv: Tensor, tokens: StepTokens) -> tuple[Tensor, dict[str, float]]:
+        teacher, sampling, mask = tokens.teacher_logp, tokens.sampling_logp, tokens.mask
+        if teacher is None:
             raise ValueError("a run with a teacher got a batch without the teacher's log-probs")
-        groups = group_of if self.baseline == "group" else None
+        groups = tokens.group_of if self.baseline == "group" else None
         with torch.no_grad():
-            adv = distill_advantages(seq_adv, teacher_logp, sampling_logp, mask, self.coef, self.reward_coef, groups)
-            metrics = {"distill_reverse_kl": reverse_kl(teacher_logp, sampling_logp, mask)}
+            adv = distill_advantages(seq_adv, teacher, sampling, mask, self.coef, self.reward_coef, groups)
+            metrics = {"distill_reverse_kl": reverse_kl(teacher, sampling, mask)}
         return adv, metrics
 
 
-def reward_advantages(
-    seq_adv: Tensor,
-    teacher_logp: Tensor | None,
-    sampling_logp: Tensor,
-    mask: Tensor,
-    group_of: Sequence[int],
-    values: Tensor | None = None,
-    rewards: Tensor | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+def reward_advantages(seq_adv: Tensor, tokens: StepTokens) -> tuple[Tensor, dict[str, float]]:
     """No teacher: the reward's sequence advantages as they are."""
     return seq_adv, {}

@@ -19,11 +19,10 @@ hold any value.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 
+from workers.training.distill import StepTokens
 from workers.training.losses import check_shapes, masked, masked_mean
 
 
@@ -93,24 +92,16 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
 
 
 class GaeTerm:
-    """The actor's `gae` advantage: per-token A_t from a step's rewards ([N], one per row) and the critic's values
-    ([N, T]); the sequence advantage the trainer passes is not used."""
+    """The actor's `gae` advantage: per-token A_t from a step's rewards ([N], one per row: what the trainer passes as
+    its sequence advantages under `gae`) and the critic's values ([N, T])."""
 
     def __init__(self, gamma: float, lam: float) -> None:
         self.gamma, self.lam = gamma, lam
 
-    def __call__(
-        self,
-        seq_adv: Tensor,
-        teacher_logp: Tensor | None,
-        sampling_logp: Tensor,
-        mask: Tensor,
-        group_of: Sequence[int],
-        values: Tensor | None = None,
-        rewards: Tensor | None = None,
-    ) -> tuple[Tensor, dict[str, float]]:
-        if values is None or rewards is None:
+    def __call__(self, seq_adv: Tensor, tokens: StepTokens) -> tuple[Tensor, dict[str, float]]:
+        mask = tokens.mask
+        if tokens.values is None:
             raise ValueError("a run with a critic got a batch without the critic's values")
         with torch.no_grad():
-            adv, _ = gae(rewards.to(mask.device), values.to(mask.device), mask, self.gamma, self.lam)
+            adv, _ = gae(seq_adv.to(mask.device), tokens.values.to(mask.device), mask, self.gamma, self.lam)
         return adv, {"gae_advantage_mean": masked_mean(adv, mask.bool())}

@@ -60,7 +60,7 @@ from workers.engines.base import MediaInputs
 from workers.training.advantages import ADVANTAGE_ESTIMATORS, group_advantages, shaped_rewards
 from workers.training.batch import Batch, make_batch, stale_masked, untrainable
 from workers.training.devices import compute_dtype, resolve_device
-from workers.training.distill import Advantages, DistillTerm, reward_advantages
+from workers.training.distill import Advantages, DistillTerm, StepTokens, reward_advantages
 from workers.training.forward import forward_for
 from workers.training.gae import GaeTerm, explained_variance, gae
 from workers.training.losses import KlTerm, no_kl, normalizer_of
@@ -195,9 +195,8 @@ class PolicyTrainer:
         adv = self._sequence_advantages(rewards, batch)  # [N]; the rewards themselves under `gae`
         value_fit = self._value_fit(batch)
         # [N], or [N, T-1] with a teacher or a critic: once per step, so a group's baseline sees all of its rows
-        adv, distilled = self.advantages(
-            adv, batch.teacher_logp, batch.rollout_logp, batch.mask, batch.group_of, batch.values, adv
-        )
+        tokens = StepTokens(batch.rollout_logp, batch.mask, batch.group_of, batch.teacher_logp, batch.values)
+        adv, distilled = self.advantages(adv, tokens)
         plans = [self._plan(batch, rows) for rows in split_even(batch.ids.shape[0], self.cfg.mini_batches)]
         self.forward.begin_step()
         updates = self.cfg.updates_per_step
