@@ -1,19 +1,20 @@
 """The batch shape of the worker loop: hold up to B admitted messages, handle them once, settle them together.
 
 For a role whose unit of work is a batch (the trainer's step). A reader task fetches and decodes the input as it
-arrives, and with `read_ahead` up to one batch ahead of the batch being collected, so the next batch's messages
-are decoded while the current one is handled (an undecodable one is dead-lettered there). The loop takes them in
-stream order and asks the role's `admit(message, delivery, held)` with the role's state as the previous batch
-left it; `admit` may raise the control exceptions, settled where the worker loop settles everything
-(`Worker._settle`): `Skip` acks (a copy already handled), `Drop` terminates with the reason (a stale group),
-`Reject` dead-letters. Returning holds the message for the batch. Held and read-ahead messages are kept alive
-until settled. With B held, `handle(batch)` runs once; then every held message is acked, without waiting for the
-server's confirmation (an ack that is lost brings its message back, and `admit` must recognise it as a copy);
-then `settled(batch)` runs (what must follow the acks: step records, checkpoints). `handle` may give the whole
-batch a verdict instead: `Reject` dead-letters every held message with its reason (`Drop` terminates them), and the
-loop goes on with the next batch (`settled` is not called). A stop, or any other failure of `handle`, hands the held
-and the read-ahead messages back (nak) for redelivery. A role that restarts from a
-checkpoint first rewinds the durable (`rewind`) to the ack floor recorded with it, so what followed comes again.
+arrives, and with `read_ahead` up to one batch ahead of the batch being collected, so the next batch's messages are
+decoded while the current one is handled (an undecodable one is dead-lettered there). The loop takes them in stream
+order and asks the role's `admit(message, delivery, held)` with the role's state as the previous batch left it;
+`admit` may raise the control exceptions, settled where the worker loop settles everything (`Worker._settle`):
+`Skip` acks (a copy already handled), `Drop` terminates with the reason (a stale group), `Reject` dead-letters.
+Returning holds the message for the batch. Held and read-ahead messages are kept alive until settled. With B held
+(or, given `flush_idle_s`, fewer once nothing has arrived for that long), `handle(batch)` runs once; then every held
+message is acked, without waiting for the server's confirmation (an ack that is lost brings its message back, and
+`admit` must recognise it as a copy); then `settled(batch)` runs (what must follow the acks: step records,
+checkpoints). `handle` may give the whole batch a verdict instead: `Reject` dead-letters every held message with its
+reason (`Drop` terminates them), and the loop goes on with the next batch (`settled` is not called). A stop, or any
+other failure of `handle`, hands the held and the read-ahead messages back (nak) for redelivery. A role that
+restarts from a checkpoint first rewinds the durable (`rewind`) to the ack floor recorded with it, so what followed
+comes again.
 """
 
 from __future__ import annotations
@@ -81,12 +82,15 @@ class BatchWorker(Worker[In]):
         size: Callable[[], int],
         options: WorkerOptions | None = None,
         read_ahead: bool = True,
+        flush_idle_s: float | None = None,
     ) -> None:
         super().__init__(bus, role, _no_handler, input_type, options)
         self.batch_role = batch_role
         self.size = size
         self.read_ahead = read_ahead
         """Read the next batch while one is handled (off when `handle` needs every core the reader would use)."""
+        self.flush_idle_s = flush_idle_s
+        """Handle a partial batch once nothing has arrived for this long (None: always wait for a whole one)."""
         self.timings: collections.defaultdict[str, float] = collections.defaultdict(float)
         """Seconds spent waiting for data, admitting and acking (the loop's own path), and decoding (the reader,
         beside it), since the role last reset it."""
@@ -191,7 +195,8 @@ class BatchWorker(Worker[In]):
                     self._arrived.set()
 
     async def _collect(self, held: list[Held[In]]) -> bool:
-        """Fill `held` with a batch; False when stopped first."""
+        """Fill `held` with a batch (with `flush_idle_s`, what is held once the input has been idle that long); False
+        when stopped first."""
         started = time.perf_counter()
         while len(held) < self.size():
             if self._stop.is_set():
@@ -201,7 +206,13 @@ class BatchWorker(Worker[In]):
                     self._reader.result()  # the reader failed: raise its error here
                     raise RuntimeError("the read-ahead task ended while a batch was being collected")
                 self._arrived.clear()
-                await self._arrived.wait()
+                if not held or self.flush_idle_s is None:
+                    await self._arrived.wait()
+                    continue
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), self.flush_idle_s)
+                except TimeoutError:
+                    break  # the input ran dry: the batch is what is held
                 continue
             opened = self._ready.popleft()
             self._room.set()

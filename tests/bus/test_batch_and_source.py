@@ -163,6 +163,23 @@ async def test_without_read_ahead_the_next_batch_stays_on_the_server_while_one_i
     assert role.handled == [[0, 1], [2, 3]]
 
 
+async def test_with_flush_idle_s_the_batch_is_what_is_held_once_the_input_runs_dry(bus):
+    for i in (0, 1, 2):
+        await bus.publish("train", f.train(bus.run, i))
+    role = Recorder(batches=2)
+    options = WorkerOptions(fetch_timeout_s=0.2)
+    role.worker = worker = BatchWorker(bus, "actor", role, TrainGroup, lambda: 5, options, flush_idle_s=0.5)
+    running = asyncio.create_task(worker.run())
+    await until(lambda: asyncio.sleep(0, role.handled), bool, 30, "the first, partial batch handled")
+    assert role.handled == [[0, 1, 2]]  # three of five, once nothing more came
+    info = await until(lambda: train_info(bus), lambda i: i.num_ack_pending == 0, 30, "the partial batch acked")
+    assert info.num_pending == 0
+    for i in (3, 4):
+        await bus.publish("train", f.train(bus.run, i))
+    await asyncio.wait_for(running, 60)
+    assert role.handled == role.done == [[0, 1, 2], [3, 4]]
+
+
 class Counting:
     """A source role releasing `total` prompt groups, `per` at a time."""
 

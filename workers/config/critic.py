@@ -34,5 +34,8 @@ class CriticConfig(Section):
     checkpoint_every: int = Field(default=16, ge=1)
     """Groups between checkpoints; a group is acknowledged only once a checkpoint holds its update, so a restart
     trains every group exactly once."""
+    idle_checkpoint_s: float = Field(default=10.0, gt=0)
+    """Seconds without a new group after which the groups held are checkpointed (and acknowledged) short of
+    `checkpoint_every`: the run's last groups, and a pipeline waiting on a dead letter's replacement, need it."""
     keep: int = Field(default=2, ge=1)
     """Checkpoints kept (the newest ones)."""

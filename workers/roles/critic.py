@@ -3,7 +3,9 @@
 In the chain only in a run with a `critic` section, as the last role before the trainer: scored -> critic -> train,
 or scored -> reference -> critique -> critic -> train with a KL term. One process (its updates are sequential).
 
-A batch role of the bus's worker loop (`relax_bus.batch_worker`), whose batch is `critic.checkpoint_every` groups:
+A batch role of the bus's worker loop (`relax_bus.batch_worker`), whose batch is `critic.checkpoint_every` groups,
+or those it holds once its input has been idle for `critic.idle_checkpoint_s` (so the groups of a run's last steps,
+or of a pipeline that waits for a dead letter's replacement, are acked without waiting for more):
 
     admit    a group already trained (the ledger holds its `group_id/attempt`) is a copy: acked, nothing else.
              Otherwise: V_old of its tokens with the current weights, `critic.updates` value-loss steps on its GAE
@@ -105,6 +107,7 @@ class Critic:
             lambda: self.config.checkpoint_every,
             options or WorkerOptions(fetch_timeout_s=1.0),
             read_ahead=False,
+            flush_idle_s=self.config.idle_checkpoint_s,
         )
 
     async def setup(self, lm: torch.nn.Module) -> None:
