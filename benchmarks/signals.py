@@ -1,6 +1,6 @@
 """Learning signals on the demo task: GRPO's sequence reward beside on-policy distillation (OPD) from a teacher.
 
-    python benchmarks/signals.py [--steps 200] [--random-steps 100] [--seeds 1] [--only a,b,c,d,e,f]
+    python benchmarks/signals.py [--steps 200] [--random-steps 100] [--seeds 1] [--only a,b,c,d,e,f,g]
                                  [--threshold 0.8] [--teacher-lr 1.5e-3] [--judge-items 512] [--smollm2-items 128]
                                  [--quick]
                                  [--work-dir runs/bench-signals] [--out benchmarks/results/signals.json]
@@ -14,12 +14,14 @@ both by `workers.launch.warmup_model.warmed_model` (what `relax model warmup` ru
 - the noisy start: the demo's own warm-up (clean, then 150 steps with 70 % wrong answers).
 Their sampled accuracy is measured over every task item x `--eval-samples` samples (`colocated.evaluate`).
 A third is the tiny judge, as `relax model judge-train examples/judge.yaml` writes it (the demo policy's own samples
-along its warm-up, labelled by the rule). Then, from the noisy start, `--steps` steps each: (a) GRPO (the demo as
-is), (b) OPD (`teacher: {coef: 1, reward_coef: 0}`, the group baseline and examples/distill.yaml's `trainer.optim`:
-the teacher's per-token signal alone; the rewards are computed and logged only), (c) OPD + reward (`reward_coef: 1`),
-(f) GRPO with the tiny judge as the only reward (examples/judge.yaml; the rule logged beside it: true accuracy and
-false "yes" rate per step); from a random-init student (`trainer.warmup.max_steps=0`), `--random-steps` steps each:
-(d) GRPO, (e) OPD. `--seeds N` repeats every run with rollout seeds 0..N-1.
+along its warm-up and their contrasts, labelled by the rule; from the policy after its clean warm-up steps). Then,
+from the noisy start, `--steps` steps each: (a) GRPO (the demo as is), (b) OPD (`teacher: {coef: 1, reward_coef:
+0}`, the group baseline and examples/distill.yaml's `trainer.optim`: the teacher's per-token signal alone; the
+rewards are computed and logged only), (c) OPD + reward (`reward_coef: 1`), (f) GRPO with the tiny judge as the only
+reward (examples/judge.yaml, its hard verdict; the rule logged beside it: true accuracy and false "yes" rate per
+step), (g) the same with the judge's p(yes) as the reward (`judge.threshold: null`); from a random-init student
+(`trainer.warmup.max_steps=0`), `--random-steps` steps each: (d) GRPO, (e) OPD. `--seeds N` repeats every run with
+rollout seeds 0..N-1.
 
 Judges: on up to `--judge-items` samples of run f (seed 0; half right, half wrong by the rule), the
 tiny judge's and SmolLM2-135M-Instruct's zero-shot agreement with the rule (models/SmolLM2-135M-Instruct, as `make
@@ -66,7 +68,7 @@ from workers.data.model_build import SOURCE_FILE
 from workers.data.models import load_model, load_tokenizer
 from workers.data.tasks import prompt_text
 from workers.launch.judge_data import Labelled
-from workers.launch.judge_train import labelled_pairs, train_judge
+from workers.launch.judge_train import build_judge
 from workers.launch.warmup_model import warmed_model
 from workers.rewards.judge import Judge, judge_prompt
 from workers.roles.reference import replayed_logprobs
@@ -84,6 +86,8 @@ class Spec:
     """The teacher section's reward_coef; None: no teacher (GRPO)."""
     judge: bool = False
     """Rewarded by the trained tiny judge alone (`genrm`), the rule logged beside it (`judge.check`)."""
+    soft: bool = False
+    """The judge's score is p(yes) itself (`judge.threshold: null`), not examples/judge.yaml's hard verdict."""
 
 
 RUNS: dict[str, Spec] = {
@@ -93,6 +97,7 @@ RUNS: dict[str, Spec] = {
     "d": Spec("GRPO", "random", None),
     "e": Spec("OPD", "random", 0.0),
     "f": Spec("GRPO, judge reward", "noisy", None, judge=True),
+    "g": Spec("GRPO, judge p(yes) reward", "noisy", None, judge=True, soft=True),
 }
 JUDGE = DEMO.parent / "judge.yaml"
 DISTILL = DEMO.parent / "distill.yaml"
@@ -140,6 +145,8 @@ def run_config(
     spec = RUNS[key]
     data = (load_config(JUDGE, {"judge.source": str(judge)}) if spec.judge else base).model_dump()
     data.pop("chain", None)  # derived from the rest
+    if spec.soft:
+        data["judge"]["threshold"] = None
     data["run"] = f"signals-{key}-s{seed}"
     data["rollout"]["seed"] = seed
     data["trainer"]["steps"] = steps
@@ -170,18 +177,22 @@ def judge_config(judge: Path) -> PipelineConfig:
 
 def built_judge(out: Path) -> dict[str, Any]:
     """The tiny judge as `relax model judge-train examples/judge.yaml` writes it (on-policy samples of the demo's policy
-    along its warm-up, labelled by the rule), written once: its record, with the seconds it took (data, training)."""
+    along its warm-up and their contrasts, labelled by the rule; from the policy after its clean warm-up steps),
+    written once: its record,
+    with the seconds it took."""
     record = out / SOURCE_FILE
     if record.is_file():
         return dict(json.loads(record.read_text()))
     shutil.rmtree(out, ignore_errors=True)
-    config = judge_config(out)
     started = time.perf_counter()
-    pairs, origin = labelled_pairs(config, None)
-    sampled = time.perf_counter()
-    made = train_judge(config, pairs, out, origin=origin)
-    trained = time.perf_counter()
-    made.update(data_s=sampled - started, train_s=trained - sampled)
+    made = build_judge(
+        judge_config(out),
+        out,
+        on_check=lambda f: print(
+            f"judge step {f['step']:.0f}: balanced held-out agreement {f['balanced_agreement']:.3f}", flush=True
+        ),
+    )
+    made.update(seconds=time.perf_counter() - started)
     record.write_text(json.dumps(made, indent=1))
     return made
 
@@ -473,8 +484,9 @@ def main() -> None:
     judge = {"dir": str(judge_dir), **built_judge(judge_dir)} if judging else {}
     if judge:
         print(
-            f"tiny judge: {judge['pairs']} labelled policy samples ({judge['right_share']:.0%} right), "
-            f"held-out agreement {judge['agreement']:.3f} at step {judge['best_step']} of {judge['steps']}",
+            f"tiny judge: {judge['pairs']} labelled pairs ({judge['right_share']:.0%} right), held-out agreement "
+            f"{judge['agreement']:.3f} (balanced {judge['balanced_agreement']:.3f}, yes on wrong "
+            f"{judge['false_positive_rate']:.3f}) at step {judge['best_step']} of {judge['steps']}",
             flush=True,
         )
 
@@ -496,7 +508,7 @@ def main() -> None:
             if distills:
                 temperature = config.rollout.temperature
                 row["teacher_timing"] = teacher_timing(teacher_dir, result.train_groups, temperature, args.timed_groups)
-            if RUNS[key].judge and seed == 0:  # the judges on this run's samples, labelled by the rule
+            if key == "f" and seed == 0:  # the judges on this run's samples, labelled by the rule
                 items = judged_items(result.train_groups, load_tokenizer(noisy_dir), args.judge_items)
                 section = judge_config(judge_dir).judge
                 assert section is not None  # examples/judge.yaml has one

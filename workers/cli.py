@@ -138,12 +138,24 @@ def _parser() -> argparse.ArgumentParser:
         "--task-pairs", action="store_true", help="train on each task item's answer and near misses (whole numbers)"
     )
     jt.add_argument("--out", required=True, help="the directory to write (must not exist or be empty)")
-    jt.add_argument("--base", help="the model to start from (a model source; default: CONFIG's model.source)")
-    jt.add_argument("--steps", type=int, default=1500, help="most supervised steps (default 1500)")
-    jt.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
+    jt.add_argument(
+        "--base",
+        help="the model to start from (a model source; default: when sampling the policy, the policy after its "
+        "warm-up's clean steps, else CONFIG's model.source)",
+    )
+    jt.add_argument(
+        "--contrasts",
+        type=int,
+        default=30,
+        help="with sampled data: set every item against this many of the policy's commonest responses (default 30)",
+    )
+    jt.add_argument(
+        "--steps", type=int, default=2000, help="supervised steps, the lr decaying over them (default 2000)"
+    )
+    jt.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     jt.add_argument("--batch-size", type=int, default=64, help="pairs per step (default 64)")
     jt.add_argument(
-        "--patience", type=int, default=8, help="stop after this many checks without a better agreement (default 8)"
+        "--patience", type=int, help="stop after this many checks without a better balanced agreement (default: never)"
     )
 
     cmp = sub.add_parser("compare", help="runs side by side: how far each one's reward rose, and their curves")
@@ -322,7 +334,7 @@ def _warmup(args: argparse.Namespace) -> int:
 
 def _judge_train(args: argparse.Namespace) -> int:
     from workers.config import PipelineConfig
-    from workers.launch.judge_train import labelled_pairs, train_judge
+    from workers.launch.judge_train import build_judge
 
     config = config_with_overrides(args, PipelineConfig)
 
@@ -337,29 +349,36 @@ def _judge_train(args: argparse.Namespace) -> int:
         )
 
     def progress(fields: dict[str, float]) -> None:
-        step, agreed = int(fields["step"]), fields["agreement"]
-        print(f"judge step {step}/{args.steps}: loss {fields['loss']:.4f}, held-out agreement {agreed:.3f}", flush=True)
+        step, agreed, fp = int(fields["step"]), fields["agreement"], fields["false_positive_rate"]
+        print(
+            f"judge step {step}/{args.steps}: loss {fields['loss']:.4f}, held-out agreement {agreed:.3f} "
+            f"(balanced {fields['balanced_agreement']:.3f}, yes on wrong {fp:.3f})",
+            flush=True,
+        )
 
     try:
-        pairs, origin = labelled_pairs(config, Path(args.data) if args.data else None, args.task_pairs, sampled)
-        record = train_judge(
+        record = build_judge(
             config,
-            pairs,
             Path(args.out),
+            Path(args.data) if args.data else None,
+            args.task_pairs,
             args.base,
-            args.steps,
-            args.lr,
-            args.batch_size,
+            args.contrasts,
+            sampled,
+            steps=args.steps,
+            lr=args.lr,
+            batch_size=args.batch_size,
             patience=args.patience,
-            origin=origin,
             on_check=progress,
         )
     except ValueError as err:  # deliberate: unusable data, config or output directory, said in one line
         print(f"relax: error: {err}", file=sys.stderr)
         return 2
     print(
-        f"judge directory: {args.out} ({record['pairs']} pairs from {origin}, {record['right_share']:.0%} right; "
-        f"held-out agreement {record['agreement']:.3f} at step {record['best_step']})"
+        f"judge directory: {args.out} (from {record['base']}; {record['pairs']} pairs from {record['data']}, "
+        f"{record['right_share']:.0%} right; "
+        f"held-out agreement {record['agreement']:.3f}, balanced {record['balanced_agreement']:.3f}, "
+        f"yes on wrong {record['false_positive_rate']:.3f}, at step {record['best_step']})"
     )
     return 0
 

@@ -57,7 +57,8 @@ def test_judge_train_writes_a_judge_and_refuses_bad_data_in_one_line(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert (
-        "judge step 4/4: loss" in done.stdout and f"judge directory: {out} (500 pairs from task addition" in done.stdout
+        "judge step 4/4: loss" in done.stdout
+        and f"judge directory: {out} (from tiny:64x2; 500 pairs from task addition" in done.stdout
     )
     record = json.loads((out / "relax_source.json").read_text())
     assert record["source"] == "judge-train" and record["pairs"] == 500 and 0.0 <= record["agreement"] <= 1.0
@@ -73,9 +74,11 @@ def test_judge_train_writes_a_judge_and_refuses_bad_data_in_one_line(tmp_path):
 def test_judge_train_samples_the_policy_along_its_warm_up_and_refuses_samples_all_wrong(tmp_path):
     warmup = ("trainer.warmup.max_steps=4", "trainer.warmup.noise_steps=1")
     out = tmp_path / "judge"
-    done = relax("model", "judge-train", "examples/judge.yaml", *SHORT, *warmup, "--out", str(out), timeout=300)
+    args = ("model", "judge-train", "examples/judge.yaml", *SHORT, *warmup, "--contrasts", "0", "--out", str(out))
+    done = relax(*args, timeout=300)
     # The policy is sampled before its warm-up, at its checks (steps 2 and 4) and at its end: 4 x 100 items x 2. Four
-    # warm-up steps leave it wrong on every item, and a judge needs right and wrong samples: refused in one line.
+    # warm-up steps leave it wrong on every item, and without contrasts (whose reference answers are right) a judge
+    # has no right pair to learn from: refused in one line.
     assert "judge data round 1 (before the warm-up): 200 samples, rule accuracy 0.000" in done.stdout
     assert "judge data round 2 (warm-up step 2): 200 samples" in done.stdout
     assert "judge data round 4 (at the warm-up's end): 200 samples" in done.stdout

@@ -16,7 +16,8 @@ from workers.config import parse_config
 from workers.data.models import load_model, load_tokenizer, materialize
 from workers.data.tasks import load_task, prompt_text
 from workers.engines.torch_engine import TorchEngine
-from workers.launch.judge_data import policy_pairs, read_labelled, task_pairs
+from workers.launch.judge_data import Labelled, contrast_pairs, policy_pairs, read_labelled, task_pairs
+from workers.launch.judge_train import agreement
 from workers.rewards.judge import Judge, judge_prompt, parse_verdict
 from workers.rewards.scorer import Scorer
 from workers.roles.reward import Judged, score_group
@@ -68,6 +69,29 @@ def test_p_yes_is_the_softmax_of_the_two_verdict_logits_whatever_the_padding(jud
             last = model(input_ids=ids).logits[0, -1]
         expected = float(torch.softmax(last[[y, n]], dim=-1)[0])
         assert got is not None and abs(got - expected) < 1e-5, (text, got, expected)
+
+
+def test_a_threshold_makes_p_yes_a_hard_verdict(judge_dir):
+    model, tokenizer = load_model(judge_dir), load_tokenizer(judge_dir)
+    texts = ["1+2=3\nverdict:", "7+8=15 and some more text\nverdict:", "0+0=0\nverdict:", "9+9=1\nverdict:"]
+    soft = [j.score for j in Judge(model, tokenizer, config().judge).judge(texts)]  # type: ignore[arg-type]
+    assert all(s is not None and 0.0 < s < 1.0 for s in soft)
+    cut = sorted(soft)[1] + 1e-6  # type: ignore[type-var]
+    hard = Judge(model, tokenizer, config(threshold=cut).judge).judge(texts)  # type: ignore[arg-type]
+    assert [j.score for j in hard] == [float(s >= cut) for s in soft]  # type: ignore[operator]
+    assert sorted(j.score for j in hard) == [0.0, 0.0, 1.0, 1.0]  # type: ignore[type-var]
+    with pytest.raises(ConfigError, match="threshold"):
+        config(threshold=1.0)
+
+
+def test_a_judges_agreement_is_balanced_over_right_and_wrong_pairs():
+    said, labels = [True, True, True, False, True], [True, False, False, False, False]
+    got = agreement(said, labels)
+    assert got["agreement"] == pytest.approx(2 / 5)
+    assert got["false_positive_rate"] == pytest.approx(3 / 4)  # yes to three of the four wrong ones
+    assert got["balanced_agreement"] == pytest.approx((1.0 + 1 / 4) / 2)
+    assert agreement([False] * 4, [False, False, False, True])["balanced_agreement"] == 0.5  # "no" to all: chance
+    assert agreement([True, False], [True, True])["balanced_agreement"] == 0.5  # one label only: the plain share
 
 
 def test_text_verdicts_that_say_neither_are_errors_not_zeros(judge_dir):
@@ -168,7 +192,7 @@ def test_task_pairs_are_the_answer_and_near_misses(tmp_path):
         task_pairs(load_task({"type": "reverse", "seed": 0})[:2])
 
 
-def test_policy_pairs_are_the_policys_samples_labelled_by_the_rule():
+def test_policy_pairs_are_the_policys_samples_labelled_by_the_rule(tmp_path):
     cfg = parse_config(
         {
             "run": "judge",
@@ -180,13 +204,38 @@ def test_policy_pairs_are_the_policys_samples_labelled_by_the_rule():
         }
     )
     rounds: list[dict[str, float]] = []
-    pairs = policy_pairs(cfg, samples_per_item=2, on_sampled=rounds.append)
+    pairs = policy_pairs(cfg, samples_per_item=2, on_sampled=rounds.append, contrasts=0, warmed=tmp_path / "policy")
+    assert (tmp_path / "policy" / "config.json").is_file()  # the policy as its warm-up left it: a judge's base
+    load_model(tmp_path / "policy")
     items = load_task({"type": "addition", "seed": 0})
     assert [r["step"] for r in rounds] == [0.0, 1.0, 2.0, -1.0]  # before, at each check, at the end
     assert len(pairs) == 4 * 2 * len(items) and all(r["samples"] == 2 * len(items) for r in rounds)
     assert all(p.response.strip() == p.reference for p in pairs if p.label)  # exact: right only when it is the answer
     assert {p.prompt for p in pairs} == {prompt_text(i.parts) for i in items}
     assert len({p.response for p in pairs}) > 10  # sampled, not the answers: the untrained policy babbles
+
+
+def test_contrast_pairs_set_every_item_against_the_commonest_responses():
+    sampled = [
+        Labelled("1+1=", "2", "2", True),
+        Labelled("1+1=", "3", "2", False),
+        Labelled("2+2=", "3", "4", False),
+        Labelled("2+2=", "3", "4", False),
+        Labelled("3+3=", "7", "6", False),
+    ]
+    got = contrast_pairs(sampled, lambda response, reference: response == reference, most=2)
+    # the two commonest responses ("3", then "2"), the empty one and the reference, less what the item already has
+    assert {(p.prompt, p.response, p.label) for p in got} == {
+        ("1+1=", "", False),
+        ("2+2=", "2", False),
+        ("2+2=", "", False),
+        ("2+2=", "4", True),
+        ("3+3=", "3", False),
+        ("3+3=", "2", False),
+        ("3+3=", "", False),
+        ("3+3=", "6", True),
+    }
+    assert len(got) == 8 and all(p.reference == {"1+1=": "2", "2+2=": "4", "3+3=": "6"}[p.prompt] for p in got)
 
 
 def test_labelled_data_errors_name_the_line(tmp_path):

@@ -32,6 +32,10 @@ class JudgeConfig(Section):
     """`logits`: the score is p(yes) = softmax over the next-token logits of the first tokens of `yes_text` and
     `no_text`; `text`: the judge generates up to `max_new_tokens` greedily and its first word must be `yes_text` or
     `no_text` (1 or 0; anything else is an unparsable verdict: the sample is left out and counted)."""
+    threshold: float | None = Field(default=None, gt=0, lt=1)
+    """With `logits`: score 1 when p(yes) >= threshold, else 0 (None: the score is p(yes) itself). A hard verdict
+    gives a group whose answers are all wrong no advantage, as a rule reward does; with p(yes), its answers are
+    still ranked by how right the judge finds them, which pushes the policy towards the judge's mistakes."""
     yes_text: str = Field(default=" yes", min_length=1)
     """The text of a yes verdict (its first token is read in `logits` mode; the two must start with different
     tokens: with a byte tokenizer, `yes` and `no`)."""

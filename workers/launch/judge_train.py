@@ -2,21 +2,27 @@
 labelled pairs.
 
 The data (`workers.launch.judge_data`): by default, on-policy samples of CONFIG's policy along its warm-up, labelled
-by the rule (`judge.check`, else the task's reward); with `--data`, a JSON Lines file of `{"prompt": ...,
-"response": ..., "label": true|false}` (and optionally `"reference"`, the task's answer); with `--task-pairs`, each
-task item's answer and near misses. The run config's `judge` section says how the judge reads a sample (`template`,
-`yes_text`, `no_text`, `prompt_format`); the judge learns to continue the filled template with the yes or the no
-text (plus its EOS), by the supervised log-loss of those tokens only, each batch half right and half wrong pairs
-(so a rare label weighs as much as a common one and p(yes) = 0.5 stays the boundary). A tenth of the pairs (at most
-1,024) is held out: every `check_every` steps the agreement of the judge's p(yes) >= 0.5 with the labels on it is
-measured; training stops after `patience` checks without a better one once a check has beaten the untrained judge
-(or at full agreement), and the weights of the best check (the untrained model included) are the ones written. The
-output is a model directory like `relax export` writes, to be named as `judge.source`.
+by the rule (`judge.check`, else the task's reward), and contrast pairs (every item against the policy's commonest
+responses); with `--data`, a JSON Lines file of `{"prompt": ..., "response": ..., "label": true|false}` (and
+optionally `"reference"`, the task's answer); with `--task-pairs`, each task item's answer and near misses. The
+judge starts from `--base`, else, with on-policy data and a warm-up, from the policy at the end of its warm-up's
+clean steps (it reads the task then: on the demo it learned to verify answers where a judge from random weights, or
+from the policy after the noisy steps, did not), else from CONFIG's `model.source`.
+
+The run config's `judge` section says how the judge reads a sample (`template`, `yes_text`, `no_text`,
+`prompt_format`); the judge learns to continue the filled template with the yes or the no text (plus its EOS), by
+the supervised log-loss of those tokens only, each batch half right and half wrong pairs (so a rare label weighs as
+much as a common one and p(yes) = 0.5 stays the boundary), the learning rate decaying to a tenth along a cosine. A
+tenth of the pairs (at most 1,024) is held out: every `check_every` steps the judge's balanced agreement with the
+labels on it is measured; training stops at full agreement, or after `patience` checks without a better one when
+given, and the weights of the best check (the untrained model included) are the ones written. The output is a model
+directory like `relax export` writes, to be named as `judge.source`.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import random
 import tempfile
 from collections.abc import Callable
@@ -37,9 +43,12 @@ def labelled_pairs(
     data: Path | None,
     from_task: bool = False,
     on_sampled: Callable[[dict[str, float]], None] | None = None,
+    contrasts: int = 30,
+    warmed: Path | None = None,
 ) -> tuple[list[Labelled], str]:
     """The pairs to train on and where they came from: `data`'s, the task's near misses (`from_task`), or on-policy
-    samples of `config`'s policy (`workers.launch.judge_data.policy_pairs`)."""
+    samples of `config`'s policy with `contrasts` contrast pairs (`workers.launch.judge_data.policy_pairs`, which
+    writes the policy at the end of its warm-up's clean steps to `warmed` when given)."""
     if data is not None:
         return read_labelled(data), str(data)
     if from_task:
@@ -47,8 +56,47 @@ def labelled_pairs(
         from workers.data.tasks import load_task
 
         return task_pairs(load_task(task_spec(config.task)), seed=config.trainer.seed), f"task {config.task.type}"
-    pairs = policy_pairs(config, on_sampled=on_sampled)
-    return pairs, f"samples of {config.model.source.shorthand()} along its warm-up, labelled by the rule"
+    pairs = policy_pairs(config, on_sampled=on_sampled, contrasts=contrasts, warmed=warmed)
+    origin = f"samples of {config.model.source.shorthand()} along its warm-up, labelled by the rule"
+    return pairs, origin + (f", with contrasts of its {contrasts} commonest responses" if contrasts else "")
+
+
+def build_judge(
+    config: PipelineConfig,
+    out: Path,
+    data: Path | None = None,
+    from_task: bool = False,
+    base: str | None = None,
+    contrasts: int = 30,
+    on_sampled: Callable[[dict[str, float]], None] | None = None,
+    **training: Any,
+) -> dict[str, Any]:
+    """`relax model judge-train`: the pairs (`labelled_pairs`), then `train_judge` from `base`, else from the policy
+    at the end of its warm-up's clean steps (on-policy data with a warm-up), else from `model.source`. `training`:
+    `train_judge`'s keywords. Returns the record written beside the judge's weights."""
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} is not empty")  # before minutes of sampling
+    if contrasts < 0:
+        raise ValueError(f"contrasts must be >= 0, got {contrasts}")
+    with tempfile.TemporaryDirectory(prefix="relax-judge-policy-") as scratch:
+        warmed = Path(scratch) / "policy"
+        pairs, origin = labelled_pairs(config, data, from_task, on_sampled, contrasts, warmed)
+        named = None
+        if base is None and (warmed / "config.json").is_file():
+            base, named = str(warmed), f"{config.model.source.shorthand()} after its warm-up's clean steps"
+        return train_judge(config, pairs, out, base, origin=origin, base_name=named, **training)
+
+
+def agreement(said_yes: list[bool], labels: list[bool]) -> dict[str, float]:
+    """A judge's yes/no against the labels: the share it agrees on, the balanced agreement (the mean of its yes-rate
+    on right pairs and its no-rate on wrong ones; the plain share when one label is missing) and its false-positive
+    rate (yes on wrong pairs; 0 without any)."""
+    agreed = sum(s == label for s, label in zip(said_yes, labels, strict=True)) / len(labels)
+    on_right = [s for s, label in zip(said_yes, labels, strict=True) if label]
+    on_wrong = [s for s, label in zip(said_yes, labels, strict=True) if not label]
+    fp = sum(on_wrong) / len(on_wrong) if on_wrong else 0.0
+    balanced = (sum(on_right) / len(on_right) + 1 - fp) / 2 if on_right and on_wrong else agreed
+    return {"agreement": agreed, "balanced_agreement": balanced, "false_positive_rate": fp}
 
 
 def train_judge(
@@ -56,19 +104,24 @@ def train_judge(
     pairs: list[Labelled],
     out: Path,
     base: str | None = None,
-    steps: int = 1500,
-    lr: float = 3e-3,
+    steps: int = 2000,
+    lr: float = 1e-3,
     batch_size: int = 64,
     check_every: int = 50,
-    patience: int = 8,
+    patience: int | None = None,
     origin: str = "",
     on_check: Callable[[dict[str, float]], None] | None = None,
+    base_name: str | None = None,
 ) -> dict[str, Any]:
     """Train a judge on `pairs` as `config.judge` reads samples, starting from `base` (default: the run's
-    `model.source`), for at most `steps` steps (fewer when `patience` checks in a row bring no better held-out
-    agreement, or one reaches 1.0), and write the best check's weights to `out` (created; refused when it holds
-    files). Returns the record written beside the weights: base, pairs and their share of right ones, steps run,
-    the held-out agreement and its share of yes labels; `origin` says where the pairs came from."""
+    `model.source`), for `steps` steps with the learning rate's cosine decay to a tenth (fewer when `patience`
+    checks in a row bring no better held-out agreement, or one is perfect), and write the best check's weights to
+    `out` (created; refused when it holds files). Checks are compared by their balanced agreement, the mean of the
+    judge's yes-rate on right pairs and its no-rate on wrong ones: with mostly wrong pairs held out, a judge saying
+    no to everything would otherwise look good. Returns the record written beside the weights: base, pairs and their
+    share of right ones, steps run, the best check's agreement, balanced agreement and false-positive rate (yes on
+    wrong pairs), and the held-out share of yes labels; `origin` says where the pairs came from, `base_name` what
+    the base is when its path says nothing (a scratch directory)."""
     import torch
 
     from workers.data.models import as_source, load_model, load_tokenizer, materialize
@@ -105,15 +158,16 @@ def train_judge(
             raise ValueError("the labelled pairs must hold right and wrong ones: a judge learns to tell them apart")
         texts = [judge_prompt(cfg.template, p.prompt, p.response, p.reference) for p in test]
 
-        def agreement() -> float:
+        def check() -> dict[str, float]:
             model.eval()
             scores = judge.judge(texts)
             model.train()
-            agreed = sum(((j.score or 0.0) >= 0.5) == p.label for j, p in zip(scores, test, strict=True))
-            return agreed / len(test)
+            return agreement([(j.score or 0.0) >= 0.5 for j in scores], [p.label for p in test])
 
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        best: tuple[float, int, dict[str, torch.Tensor]] = (agreement(), 0, copy.deepcopy(model.state_dict()))
+        decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.1 + 0.45 * (1 + math.cos(math.pi * k / steps)))
+        first = check()
+        best: tuple[dict[str, float], int, dict[str, torch.Tensor]] = (first, 0, copy.deepcopy(model.state_dict()))
         step, stale = 0, 0
         for step in range(1, steps + 1):
             chosen = [rng.choice(right if k % 2 else wrong) for k in range(batch_size)]
@@ -123,16 +177,18 @@ def train_judge(
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            decay.step()
             if step % check_every == 0 or step == steps:
-                agreed = agreement()
+                checked = check()
                 if on_check is not None:
-                    on_check({"step": float(step), "loss": float(loss.detach()), "agreement": agreed})
+                    on_check({"step": float(step), "loss": float(loss.detach()), **checked})
                 # Patience counts from the first check that beats the untrained judge: from random weights a judge
-                # sits at the majority label for a few hundred steps before it starts to tell answers apart.
-                stale = stale + 1 if agreed <= best[0] and best[1] > 0 else 0
-                if agreed > best[0]:
-                    best = (agreed, step, copy.deepcopy(model.state_dict()))
-                if stale >= patience or best[0] >= 1.0:
+                # sits at one label for a few hundred steps before it starts to tell answers apart.
+                better = checked["balanced_agreement"] > best[0]["balanced_agreement"]
+                stale = 0 if better or best[1] == 0 else stale + 1
+                if better:
+                    best = (checked, step, copy.deepcopy(model.state_dict()))
+                if (patience is not None and stale >= patience) or best[0]["balanced_agreement"] >= 1.0:
                     break
         model.load_state_dict(best[2])
         staging = staging_dir(out)
@@ -140,7 +196,7 @@ def train_judge(
         tokenizer.save_pretrained(staging)
     record = {
         "source": "judge-train",
-        "base": source.shorthand(),
+        "base": base_name or source.shorthand(),
         "data": origin,
         "pairs": len(pairs),
         "right_share": sum(p.label for p in pairs) / len(pairs),
@@ -148,7 +204,7 @@ def train_judge(
         "held_out_yes": sum(p.label for p in test) / held,
         "steps": step,
         "best_step": best[1],
-        "agreement": best[0],
+        **best[0],
         "template": cfg.template,
     }
     install_build(staging, out, record)

@@ -99,8 +99,11 @@ class Judge:
         logits = self.model(input_ids=ids, attention_mask=attention, position_ids=positions).logits[:, -1]  # [B, V]
         pair = logits[:, [self.yes_id, self.no_id]].float()  # [B, 2]
         p_yes = torch.softmax(pair, dim=-1)[:, 0]  # [B]
+        threshold = self.cfg.threshold
         return [
-            Judgement(score=float(p)) if torch.isfinite(p) else Judgement(error="the judge's logits are not finite")
+            Judgement(score=float(p) if threshold is None else float(p >= threshold))
+            if torch.isfinite(p)
+            else Judgement(error="the judge's logits are not finite")
             for p in p_yes
         ]
 

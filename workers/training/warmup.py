@@ -27,7 +27,10 @@ log = get_logger(__name__)
 
 
 def run_warmup(
-    trainer: PolicyTrainer, items: Sequence[TaskItem], on_check: Callable[[dict[str, float]], None] | None = None
+    trainer: PolicyTrainer,
+    items: Sequence[TaskItem],
+    on_check: Callable[[dict[str, float]], None] | None = None,
+    on_learned: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Supervised steps on (prompt, answer) until sampled accuracy reaches the target or max_steps.
 
@@ -36,7 +39,9 @@ def run_warmup(
     accuracy is computed identically on each). With `label_noise` > 0, `noise_steps` more steps follow
     in which that fraction of the answers is replaced by wrong ones: the model keeps the task's format
     but loses its confidence, so RL starts from a weak, reproducible policy with a dense reward signal.
-    `on_check` is told each accuracy check (step, loss, accuracy): the warm-up's progress.
+    `on_check` is told each accuracy check (step, loss, accuracy): the warm-up's progress. `on_learned` is called
+    once the clean steps are done (the best check restored), before the noisy ones: the model then reads the task
+    best.
     """
     wcfg = trainer.cfg.warmup
     tok = trainer.tokenizer
@@ -71,6 +76,8 @@ def run_warmup(
         opt.load_state_dict(best[3])  # the optimizer as it was at that check: its moments belong to those weights
         log.info("warmup_best_restored", step=best[1], accuracy=round(best[0], 3), final=round(accuracy, 3))
         accuracy = best[0]
+    if on_learned is not None:
+        on_learned()
     answers = [a for _, a in examples]
     for _ in range(wcfg.noise_steps if wcfg.label_noise > 0 else 0):
         chosen = []
