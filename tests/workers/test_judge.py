@@ -82,6 +82,8 @@ def test_a_threshold_makes_p_yes_a_hard_verdict(judge_dir):
     assert sorted(j.score for j in hard) == [0.0, 0.0, 1.0, 1.0]  # type: ignore[type-var]
     with pytest.raises(ConfigError, match="threshold"):
         config(threshold=1.0)
+    with pytest.raises(ConfigError, match="threshold applies to verdict: logits"):
+        config(threshold=0.5, verdict="text")
 
 
 def test_a_judges_agreement_is_balanced_over_right_and_wrong_pairs():

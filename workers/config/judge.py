@@ -5,7 +5,7 @@ from __future__ import annotations
 import string
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from workers.config.base import Section
 from workers.config.model_source import ModelSource
@@ -67,3 +67,9 @@ class JudgeConfig(Section):
         if "response" not in named:
             raise ValueError("the template must contain {response}: the judge has to read the sample")
         return template
+
+    @model_validator(mode="after")
+    def _threshold_reads_logits(self) -> JudgeConfig:
+        if self.threshold is not None and self.verdict != "logits":
+            raise ValueError("threshold applies to verdict: logits (a text verdict already scores 1 or 0)")
+        return self

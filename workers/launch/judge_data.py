@@ -87,10 +87,10 @@ def contrast_pairs(pairs: Sequence[Labelled], label: Callable[[str, str | None],
     did not already give), each labelled by `label(response, reference)` (the rule).
 
     Sampled pairs hold, for an item, the few answers the policy happened to give it. Under RL the policy tries on an
-    item the answers it gives to others, and a judge that never saw them there says yes to some of them: a judge
-    trained on its policy's warm-up samples alone said yes to 9-28 % of the wrong whole numbers 0-19 on the demo's
-    items, and RL learned those. With every item set against the same answers, only the reference tells a right one
-    from a wrong one."""
+    item the answers it gives to others, and a judge that never saw them there says yes to some of them: judges
+    trained on the demo policy's warm-up samples alone said yes to 8-26 % of the wrong answers of the task set
+    against its items (`benchmarks/judge_space.py`), and RL learned those. With every item set against the same
+    answers, only the reference tells a right one from a wrong one."""
     common = [r for r, _ in Counter(p.response for p in pairs).most_common(most)]
     given = {(p.prompt, p.reference, p.response) for p in pairs}
     out = []
