@@ -32,10 +32,10 @@ from schemas.parts import Part
 from schemas.scoring import Judgement, RewardDetail
 from schemas.tensor import WireTensor
 
-SCHEMA_VERSION = "1.9"  # 1.1: PromptGroup.history; 1.2: Sample.routed_experts; 1.3: Sample.version_spans;
+SCHEMA_VERSION = "1.10"  # 1.1: PromptGroup.history; 1.2: Sample.routed_experts; 1.3: Sample.version_spans;
 # 1.4: Sample.loss_mask and Sample.episode, ChatTurn role "tool"; 1.5: TrainGroup.teacher_logprobs;
 # 1.6: Metric.samples; 1.7: RolloutGroup.judgements, RewardDetail.checks; 1.8: PromptGroup.columns;
-# 1.9: TrainGroup.critic
+# 1.9: TrainGroup.critic; 1.10: StepSample.verdict, checks and judge_prompt
 SCHEMA_MAJOR = 1
 
 _ID = r"^[A-Za-z0-9_.:-]{1,200}$"
@@ -458,6 +458,13 @@ class StepSample(BaseModel):
     """Why generation ended."""
     tokens: Count = 0
     """Response tokens (an episode's: every turn's, observations included)."""
+    verdict: Value | None = None
+    """The judge's score of it (a run with a `judge` section); None without a judge, or when it gave none."""
+    checks: dict[Name, Value] = Field(default_factory=dict, max_length=MAX_FIELDS)
+    """The rules logged beside the judge (`judge.check`), never part of the reward, by name."""
+    judge_prompt: SampleText | None = None
+    """The judge's prompt: its template filled with the prompt, the response and the prompt's answer, clipped at its
+    head; None without a judge."""
 
 
 class Metric(Message):

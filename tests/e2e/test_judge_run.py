@@ -2,7 +2,8 @@
 rollout and reward roles (rollouts -> genrm -> judged -> reward), its judge SIGKILLed after a step and started again.
 Every released group is trained exactly once, every trained sample carries the judge's verdict (equal to the judge's
 p(yes) recomputed here) and its reward is that verdict alone (the run has no rule rewards), the rule logged beside it
-never entering the reward, and every step reports the judge's figures."""
+never entering the reward, every step reports the judge's figures, and its samples log the judge's prompt and
+verdict."""
 
 from __future__ import annotations
 
@@ -51,6 +52,10 @@ async def test_a_judged_run_trains_every_group_once_on_the_judges_verdicts(nats_
             values = m.values
             assert values["judge_error_rate"] == 0.0 and 0.0 <= values["judge_score_mean"] <= 1.0, values
             assert {"judge_check_mean", "judge_agreement", "judge_false_positive_rate"} <= set(values), values
+            for logged in m.samples:  # the samples log shows what the judge was asked and what it said
+                assert logged.verdict is not None and 0.0 <= logged.verdict <= 1.0 and set(logged.checks) == {"exact"}
+                assert logged.judge_prompt is not None and logged.judge_prompt.endswith("\nverdict:"), logged
+        assert sum(len(m.samples) for m in acc.metrics) >= config.trainer.steps  # samples were logged
         trained = set(acc.trained)
         groups = [g for g in acc.train_groups if g.group_id in trained]
         assert {g.group_id for g in groups} == trained

@@ -15,6 +15,7 @@ from schemas import (
     ChatTurn,
     EpisodeInfo,
     ImagePart,
+    Judgement,
     Metric,
     RewardDetail,
     ScoredGroup,
@@ -148,6 +149,20 @@ def test_a_logged_sample_carries_reward_terms_version_and_error():
     assert (ok.group_id, ok.policy_version, ok.reward, ok.terms) == ("g3", 7, 1.5, {"correct": 1.0, "format": 0.5})
     assert (ok.prompt, ok.response, ok.error, ok.tokens, ok.finish_reason) == ("3+1=", "0", None, 2, "stop")
     assert failed.error == "ValueError: no answer" and failed.terms == {} and failed.reward == 0.0
+
+
+def test_a_judged_sample_carries_the_judges_verdict_checks_and_prompt():
+    g = group(4, [0.9, 0.0], [RewardDetail(components={"judge": 0.9}, checks={"exact": 0.0}), FAILED])
+    rollout = g.scored.rollout.model_copy(update={"judgements": (Judgement(score=0.9), Judgement(error="timeout"))})
+    g = g.model_copy(update={"scored": g.scored.model_copy(update={"rollout": rollout})})
+    judged, failed = step_samples([g], 2, 256, "{prompt}{response}\nanswer: {reference}\nverdict:")
+    assert (judged.verdict, judged.checks, judged.terms) == (0.9, {"exact": 0.0}, {"judge": 0.9})
+    assert judged.judge_prompt == f"4+1=0\nanswer: {g.prompt.answer}\nverdict:"  # what the judge was asked
+    assert failed.verdict is None and failed.error == "ValueError: no answer"
+    (plain,) = step_samples([group(0, [1.0], [terms(exact=1.0)])], 1, 256)  # a run without a judge
+    assert (plain.verdict, plain.checks, plain.judge_prompt) == (None, {}, None)
+    (clipped,) = step_samples([g], 1, 16, "{response}" + "x" * 100)
+    assert len(clipped.judge_prompt.encode()) <= 16 and clipped.judge_prompt.startswith(MARK)  # type: ignore[union-attr]
 
 
 def test_texts_are_clipped_to_the_byte_cap():

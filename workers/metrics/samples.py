@@ -2,7 +2,7 @@
 and clipped by the actor: `workers.roles.step_samples`).
 
     samples.jsonl   one object per sample (`record`): step, at, group_id, index, policy_version, reward, terms,
-                    error, finish_reason, tokens, prompt, response
+                    verdict, checks, error, finish_reason, tokens, prompt, response, judge_prompt
     TensorBoard     a text `samples` at the step: every sample in Markdown (`markdown`)
     W&B             a table `samples` at the step (`TABLE_COLUMNS`, `table_rows`)
 """
@@ -21,11 +21,14 @@ TABLE_COLUMNS = (
     "policy_version",
     "reward",
     "terms",
+    "verdict",
+    "checks",
     "error",
     "finish_reason",
     "tokens",
     "prompt",
     "response",
+    "judge_prompt",
 )
 """The fields of a logged sample, in the order samples.jsonl and the W&B table show them."""
 
@@ -42,11 +45,11 @@ def jsonl_lines(point: Metric) -> str:
 
 
 def table_rows(point: Metric) -> list[list[Any]]:
-    """The step's rows of the W&B table (`TABLE_COLUMNS`; the terms as a JSON object)."""
+    """The step's rows of the W&B table (`TABLE_COLUMNS`; the terms and the checks as JSON objects)."""
     rows = []
     for sample in point.samples:
         fields = record(point, sample)
-        rows.append([json.dumps(fields[c]) if c == "terms" else fields[c] for c in TABLE_COLUMNS])
+        rows.append([json.dumps(fields[c]) if c in ("terms", "checks") else fields[c] for c in TABLE_COLUMNS])
     return rows
 
 
@@ -64,7 +67,11 @@ def _sample_markdown(s: StepSample) -> str:
         + f" · {s.finish_reason}, {s.tokens} tokens"
     )
     failed = [f"**reward failed**: {s.error}"] if s.error is not None else []
-    return "\n\n".join([head, *failed, "**prompt**", _block(s.prompt), "**response**", _block(s.response)])
+    checks = ", ".join(f"{name} {value:.3f}" for name, value in s.checks.items())
+    judged = [] if s.verdict is None else [f"**judge** {s.verdict:.3f}" + (f" (checks: {checks})" if checks else "")]
+    asked = [] if s.judge_prompt is None else ["**judge prompt**", _block(s.judge_prompt)]
+    texts = ["**prompt**", _block(s.prompt), "**response**", _block(s.response), *asked]
+    return "\n\n".join([head, *failed, *judged, *texts])
 
 
 def _block(text: str) -> str:

@@ -387,7 +387,9 @@ class Actor:
             **judge_metrics([h.message for h in held], self.judge_check),
             **self._step_timings(),
         }
-        logged = step_samples(groups, self.cfg.metrics.samples_per_step, self.cfg.metrics.sample_text_bytes)
+        judge, metrics = self.cfg.judge, self.cfg.metrics
+        template = judge.template if judge is not None else None
+        logged = step_samples(groups, metrics.samples_per_step, metrics.sample_text_bytes, template)
         point = Metric(run=self.bus.run, step=self.state.step, values=values, samples=logged)
         await self.bus.publish("events", point)
         await self._event(

@@ -11,20 +11,25 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from schemas import PromptGroup, StepSample, TextPart, TrainGroup
+from workers.data.tasks import prompt_text as parts_text
+from workers.rewards.judge import judge_prompt
 from workers.training.step_metrics import reward_terms
 
 MARK = "…"
 """What stands for the clipped part of a text."""
 
 
-def step_samples(groups: Sequence[TrainGroup], count: int, text_bytes: int) -> tuple[StepSample, ...]:
-    """`count` samples of the step's `groups` (fewer when the step has fewer), texts within `text_bytes` bytes each."""
+def step_samples(
+    groups: Sequence[TrainGroup], count: int, text_bytes: int, judge_template: str | None = None
+) -> tuple[StepSample, ...]:
+    """`count` samples of the step's `groups` (fewer when the step has fewer), texts within `text_bytes` bytes each;
+    with `judge_template` (a run with a judge), each with the judge's prompt as that template renders it."""
     ordered = sorted(groups, key=lambda g: g.prompt.release_index)
     out = []
     for group, index in _round_robin(ordered):
         if len(out) == count:
             break
-        out.append(logged(group, index, text_bytes))
+        out.append(logged(group, index, text_bytes, judge_template))
     return tuple(out)
 
 
@@ -37,12 +42,16 @@ def _round_robin(groups: Sequence[TrainGroup]) -> Iterator[tuple[TrainGroup, int
                 yield group, index
 
 
-def logged(group: TrainGroup, index: int, text_bytes: int) -> StepSample:
+def logged(group: TrainGroup, index: int, text_bytes: int, judge_template: str | None = None) -> StepSample:
     """Sample `index` of `group` as the samples log shows it."""
     scored = group.scored
     sample = scored.rollout.samples[index]
     detail = scored.details[index] if scored.details else None
     error = detail.error if detail is not None else None
+    judgements = scored.rollout.judgements
+    asked = None
+    if judge_template is not None:
+        asked = judge_prompt(judge_template, parts_text(group.prompt.parts), sample.text, group.prompt.answer)
     return StepSample(
         group_id=group.group_id,
         index=index,
@@ -54,6 +63,9 @@ def logged(group: TrainGroup, index: int, text_bytes: int) -> StepSample:
         error=None if error is None else clip_end(error, text_bytes),
         finish_reason=sample.finish_reason,
         tokens=sample.token_ids.numel,
+        verdict=judgements[index].score if judgements is not None else None,
+        checks=dict(detail.checks) if detail is not None else {},
+        judge_prompt=None if asked is None else clip_start(asked, text_bytes),
     )
 
 
