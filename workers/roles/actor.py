@@ -387,9 +387,9 @@ class Actor:
             **judge_metrics([h.message for h in held], self.judge_check),
             **self._step_timings(),
         }
-        judge, metrics = self.cfg.judge, self.cfg.metrics
-        template = judge.template if judge is not None else None
-        logged = step_samples(groups, metrics.samples_per_step, metrics.sample_text_bytes, template)
+        template = self.cfg.judge.template if self.cfg.judge is not None else None
+        shown = self.cfg.metrics
+        logged = step_samples(groups, shown.samples_per_step, shown.sample_text_bytes, template)
         point = Metric(run=self.bus.run, step=self.state.step, values=values, samples=logged)
         await self.bus.publish("events", point)
         await self._event(
