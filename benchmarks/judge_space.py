@@ -26,9 +26,8 @@ import torch
 from workers.config import load_config, task_spec
 from workers.data.models import load_model, load_tokenizer
 from workers.data.tasks import load_task, prompt_text
+from workers.launch.judge_data import rule_says_right, rule_scorer
 from workers.rewards.judge import Judge, judge_prompt
-from workers.rewards.scorer import Scorer
-from workers.roles.reward import make_scorer_from
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,14 +39,14 @@ def measure(judge_dir: Path, config_path: Path) -> dict[str, Any]:
     items = load_task(task_spec(config.task))
     answers = sorted({it.answer for it in items if it.answer is not None}, key=lambda a: (len(a), a))
     responses = ["", *answers]
-    scorer = Scorer([config.judge.check]) if config.judge.check is not None else make_scorer_from(config)
+    scorer = rule_scorer(config)
     judge = Judge(load_model(judge_dir).eval(), load_tokenizer(judge_dir), config.judge)
     yes_right, yes_wrong, yes_empty, top, right_n, wrong_n = 0, 0, 0, 0, 0, 0
     started = time.perf_counter()
     try:
         for item in items:
             question = prompt_text(item.parts)
-            labels = [scorer.score(r, item.answer, "stop").reward >= 0.5 for r in responses]
+            labels = [rule_says_right(scorer, r, item.answer) for r in responses]
             with torch.no_grad():
                 scores = [
                     j.score or 0.0

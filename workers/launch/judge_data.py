@@ -18,11 +18,15 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from workers.config import PipelineConfig
 from workers.data.jsonl_task import jsonl_lines
 from workers.data.task_items import TaskItem
 from workers.data.tasks import prompt_text
+
+if TYPE_CHECKING:
+    from workers.rewards.scorer import Scorer
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,20 @@ def _changed_digit(answer: str, rng: random.Random) -> str:
     return "".join(digits)
 
 
+def rule_scorer(config: PipelineConfig) -> Scorer:
+    """The rule a judge's pairs are labelled by: `judge.check` when the config sets one, else the task's rewards."""
+    from workers.rewards.scorer import Scorer
+    from workers.roles.reward import make_scorer_from
+
+    check = config.judge.check if config.judge is not None else None
+    return Scorer([check]) if check is not None else make_scorer_from(config)
+
+
+def rule_says_right(scorer: Scorer, response: str, reference: str | None) -> bool:
+    """Whether the rule scores `response` (a finished one) right against `reference`: a reward of at least 0.5."""
+    return scorer.score(response, reference, "stop").reward >= 0.5
+
+
 def contrast_pairs(pairs: Sequence[Labelled], label: Callable[[str, str | None], bool], most: int) -> list[Labelled]:
     """Each item of `pairs` with the responses the policy gave most often, to any item: for every distinct (prompt,
     reference), the `most` commonest responses of `pairs`, the empty response and the reference itself (those it
@@ -129,9 +147,8 @@ def policy_pairs(
     from workers.data.tasks import load_task
     from workers.engines.base import SamplingSettings
     from workers.engines.torch_engine import TorchEngine
-    from workers.rewards.scorer import Scorer
     from workers.roles.feeder import group_for
-    from workers.roles.reward import make_scorer_from, score_group, scored_text
+    from workers.roles.reward import score_group, scored_text
     from workers.roles.rollout import sample_of
     from workers.training.trainer import PolicyTrainer
     from workers.training.warmup import run_warmup
@@ -139,8 +156,7 @@ def policy_pairs(
     items = load_task(task_spec(config.task))
     if not any(item.answer is not None for item in items):
         raise ValueError("policy samples are labelled by the rule against the task's answers: the task has none")
-    check = config.judge.check if config.judge is not None else None
-    scorer = Scorer([check]) if check is not None else make_scorer_from(config)
+    scorer = rule_scorer(config)
     m, r = config.model, config.rollout
     sampling = SamplingSettings(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
     n = samples_per_item
@@ -190,11 +206,8 @@ def policy_pairs(
                 run_warmup(trainer, items, lambda fields: sample(fields["warmup_step"]), learned)
                 sample(-1.0)  # the warm-up's end (after its noisy steps): where RL starts
 
-        def label(response: str, reference: str | None) -> bool:
-            return scorer.score(response, reference, "stop").reward >= 0.5
-
         if contrasts > 0:
-            pairs.extend(contrast_pairs(pairs, label, contrasts))
+            pairs.extend(contrast_pairs(pairs, lambda response, ref: rule_says_right(scorer, response, ref), contrasts))
     finally:
         scorer.close()
     return pairs
