@@ -68,7 +68,10 @@ async def test_unknown_run_is_reported(settings):
 
 
 async def test_delete_run_removes_only_that_runs_objects(settings):
-    kept, gone = run_config(), run_config()
+    # Two runs on one server: their reservations are kept small, so the test does not depend on the
+    # host's free disk (JetStream caps file storage at a share of it; two default runs reserve 12 GiB).
+    small = {"train_max_bytes": "256MiB", "media_max_bytes": "256MiB", "hop_max_bytes": "256MiB"}
+    kept, gone = run_config(bus=small), run_config(bus=small)
     nc = await connect(settings)
     js = nc.jetstream()
     try:
