@@ -13,6 +13,7 @@
     relax model import-gguf [GGUF] --out DIR  a GGUF file (default: SmolLM2-135M-Instruct) as an HF directory
     relax model warmup CONFIG --out DIR       CONFIG's policy after its supervised warm-up, as an HF directory
     relax model judge-train CONFIG --out DIR  a judge (CONFIG's judge section) trained on its policy's labelled samples
+                                              (--samples RUN/samples.jsonl: the run's judge retrained on what it logged)
     relax export RUN --out DIR [--step N] [--merge]  a run's checkpoint as an HF directory (LoRA: its adapter)
 
 Arguments are parsed before anything heavy is imported; a role imports only what its module needs.
@@ -42,6 +43,7 @@ from relax_bus.ops.arguments import (
 )
 from relax_bus.ops.cli import build_parser
 from relax_bus.ops.cli import main as bus_main
+from workers.launch.judge_defaults import JUDGE_RETRAINING, JUDGE_TRAINING
 from workers.role_registry import ROLE_NAMES
 
 if TYPE_CHECKING:
@@ -137,6 +139,13 @@ def _parser() -> argparse.ArgumentParser:
     data.add_argument(
         "--task-pairs", action="store_true", help="train on each task item's answer and near misses (whole numbers)"
     )
+    data.add_argument(
+        "--samples",
+        nargs="+",
+        metavar="SAMPLES_JSONL",
+        help="retrain the run's judge (CONFIG's judge.source, unless --base) on the samples runs logged "
+        "(runs/<run>/samples.jsonl), labelled by the rule",
+    )
     jt.add_argument("--out", required=True, help="the directory to write (must not exist or be empty)")
     jt.add_argument(
         "--base",
@@ -147,12 +156,20 @@ def _parser() -> argparse.ArgumentParser:
         "--contrasts",
         type=int,
         default=30,
-        help="with sampled data: set every item against this many of the policy's commonest responses (default 30)",
+        help="with sampled or logged data: set every item against this many of the policy's commonest responses "
+        "(default 30)",
     )
     jt.add_argument(
-        "--steps", type=int, default=2000, help="supervised steps, the lr decaying over them (default 2000)"
+        "--steps",
+        type=int,
+        help=f"supervised steps, the lr decaying over them (default {JUDGE_TRAINING['steps']}, "
+        f"{JUDGE_RETRAINING['steps']} with --samples)",
     )
-    jt.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    jt.add_argument(
+        "--lr",
+        type=float,
+        help=f"peak learning rate (default {JUDGE_TRAINING['lr']:g}, {JUDGE_RETRAINING['lr']:g} with --samples)",
+    )
     jt.add_argument("--batch-size", type=int, default=64, help="pairs per step (default 64)")
     jt.add_argument(
         "--patience", type=int, help="stop after this many checks without a better balanced agreement (default: never)"
@@ -348,10 +365,16 @@ def _judge_train(args: argparse.Namespace) -> int:
             flush=True,
         )
 
+    defaults = JUDGE_RETRAINING if args.samples else JUDGE_TRAINING
+    steps = defaults["steps"] if args.steps is None else args.steps
+    lr = defaults["lr"] if args.lr is None else args.lr
+
     def progress(fields: dict[str, float]) -> None:
         step, agreed, fp = int(fields["step"]), fields["agreement"], fields["false_positive_rate"]
         print(
-            f"judge step {step}/{args.steps}: loss {fields['loss']:.4f}, held-out agreement {agreed:.3f} "
+            f"judge step {step}/{steps}: "
+            + (f"loss {fields['loss']:.4f}, " if step else "before training, ")
+            + f"held-out agreement {agreed:.3f} "
             f"(balanced {fields['balanced_agreement']:.3f}, yes on wrong {fp:.3f})",
             flush=True,
         )
@@ -365,8 +388,9 @@ def _judge_train(args: argparse.Namespace) -> int:
             args.base,
             args.contrasts,
             sampled,
-            steps=args.steps,
-            lr=args.lr,
+            [Path(p) for p in args.samples or ()],
+            steps=int(steps),
+            lr=float(lr),
             batch_size=args.batch_size,
             patience=args.patience,
             on_check=progress,

@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from tests.cli.test_cli import relax
 from workers.config import load_config
+from workers.data.tasks import load_task, prompt_text
 from workers.preflight import preflight
 
 pytestmark = [pytest.mark.cli, pytest.mark.timeout(420)]
@@ -64,6 +66,36 @@ def test_judge_train_writes_a_judge_and_refuses_bad_data_in_one_line(tmp_path):
     assert record["source"] == "judge-train" and record["pairs"] == 500 and 0.0 <= record["agreement"] <= 1.0
     config = load_config("examples/judge.yaml", {"judge.source": str(out), "model.source": "tiny:64x2"})
     preflight(config, tmp_path / "work", ["task", "judge"])
+    # Retrained on what a run logged: by default from the run's judge (judge.source), labelled by the rule.
+    log = tmp_path / "samples.jsonl"
+    items = [(prompt_text(i.parts), i.answer) for i in load_task({"type": "addition", "seed": 0})[:20]]
+    rows = [{"prompt": q, "response": a if k % 2 else a + "1", "verdict": 1.0} for k, (q, a) in enumerate(items)]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    again = tmp_path / "judge-again"
+    retrained = relax(
+        "model",
+        "judge-train",
+        "examples/judge.yaml",
+        *SHORT,
+        f"judge.source={out}",
+        "--samples",
+        str(log),
+        "--steps",
+        "2",
+        "--out",
+        str(again),
+        timeout=360,
+    )
+    assert retrained.returncode == 0, retrained.stderr
+    said = re.search(
+        rf"judge directory: {re.escape(str(again))} \(from the run's judge \({re.escape(str(out))}\); (\d+) pairs "
+        rf"from the samples of {re.escape(str(log))}, labelled by the rule \(20 distinct of 20 logged; 0 skipped: "
+        r"failed, clipped or not items of the task; the run's judge said yes to 10 of 10 wrong ones\), with (\d+) "
+        r"contrasts of its 30 commonest responses",
+        retrained.stdout,
+    )
+    assert said and int(said[1]) == 20 + int(said[2]) > 20, retrained.stdout
+    assert json.loads((again / "relax_source.json").read_text())["steps"] == 2
     bad = tmp_path / "pairs.jsonl"
     bad.write_text('{"prompt": "1+1=", "response": "2"}\n')
     refused = relax("model", "judge-train", "examples/judge.yaml", "--data", str(bad), "--out", str(tmp_path / "j2"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import pytest
 import torch
@@ -16,8 +17,15 @@ from workers.config import parse_config
 from workers.data.models import load_model, load_tokenizer, materialize
 from workers.data.tasks import load_task, prompt_text
 from workers.engines.torch_engine import TorchEngine
-from workers.launch.judge_data import Labelled, contrast_pairs, policy_pairs, read_labelled, task_pairs
-from workers.launch.judge_train import agreement
+from workers.launch.judge_data import (
+    Labelled,
+    contrast_pairs,
+    logged_pairs,
+    policy_pairs,
+    read_labelled,
+    task_pairs,
+)
+from workers.launch.judge_train import HELD_OUT_MAX, agreement, held_out
 from workers.rewards.judge import Judge, judge_prompt, parse_verdict
 from workers.rewards.scorer import Scorer
 from workers.roles.reward import Judged, score_group
@@ -254,3 +262,64 @@ def test_labelled_data_errors_name_the_line(tmp_path):
         read_labelled(path)
     path.write_text("\n".join(good))
     assert len(read_labelled(path)) == 10
+
+
+def test_logged_samples_are_relabelled_by_the_rule_and_the_judges_false_yeses_counted(tmp_path):
+    cfg = parse_config(
+        {
+            "run": "judge",
+            "task": {"type": "addition", "options": {"seed": 0}},
+            "judge": {"source": "tiny:64x2", "check": {"type": "exact"}},
+        }
+    )
+
+    def row(prompt, response, verdict, **extra):
+        return json.dumps({"step": 1, "prompt": prompt, "response": response, "verdict": verdict, **extra})
+
+    log = tmp_path / "samples.jsonl"
+    rows = [
+        row("2+3=", "5", 1.0),  # right, and judged so
+        row("2+3=", "6", 1.0),  # wrong, judged right: what the retrain is for
+        row("2+3=", "6", 1.0),  # the same pair again: one pair, but the judge's two yeses count
+        row("0+8=", "9", 0.0),  # wrong, judged wrong
+        row("0+8=", "8", None, error="the judge timed out"),  # failed: its reward was not the judge's
+        row("…3=", "5", 1.0),  # a prompt the log clipped
+        row("1+1=", "2…", 1.0),  # a response the log clipped
+        row("9+9+9=", "27", 1.0),  # not an item of the task
+        row("1+1=", "2", 1.0, finish_reason="length"),  # cut off: the rule says wrong, whatever the text
+    ]
+    log.write_text("\n".join(rows) + "\n")
+    pairs, counts = logged_pairs(cfg, [log])
+    assert [(p.prompt, p.response, p.reference, p.label) for p in pairs] == [
+        ("2+3=", "5", "5", True),
+        ("2+3=", "6", "5", False),
+        ("2+3=", "6", "5", False),  # as often as the policy gave it
+        ("0+8=", "9", "8", False),
+        ("1+1=", "2", "2", False),
+    ]
+    assert counts == {
+        "distinct": 4,
+        "logged": 9,
+        "failed": 1,
+        "clipped": 2,
+        "foreign": 1,
+        "judged_wrong": 4,
+        "judge_said_yes": 3,
+    }
+    log.write_text(rows[0] + "\n{\n")
+    with pytest.raises(ValueError, match=r"samples.jsonl:2: not a logged sample"):
+        logged_pairs(cfg, [log])
+    log.write_text(rows[7] + "\n")
+    with pytest.raises(ValueError, match=r"no usable sample in .*1 logged: 0 failed, 0 clipped, 1 not items"):
+        logged_pairs(cfg, [log])
+    with pytest.raises(ValueError, match="is not a file"):
+        logged_pairs(cfg, [tmp_path / "none.jsonl"])
+
+
+def test_a_pair_given_several_times_is_held_out_whole_or_trained_on_whole():
+    pairs = [Labelled(f"{k}+0=", str(k), str(k), True) for k in range(30) for _ in range(k % 3 + 1)]
+    test, train = held_out(pairs, random.Random(0))
+    assert sorted(test + train, key=repr) == sorted(pairs, key=repr)
+    assert 6 <= len(test) <= 8 and not set(test) & set(train)  # about a tenth of the 60, whole pairs
+    big = [Labelled(str(k), "x", None, k % 2 == 0) for k in range(20_000)]
+    assert len(held_out(big, random.Random(0))[0]) == HELD_OUT_MAX

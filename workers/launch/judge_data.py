@@ -1,5 +1,5 @@
-"""A judge's labelled data (`relax model judge-train`): pairs read from a file, near misses of the task's answers, or
-on-policy samples of the run's own policy labelled by the rule.
+"""A judge's labelled data (`relax model judge-train`): pairs read from a file, near misses of the task's answers,
+on-policy samples of the run's own policy labelled by the rule, or the samples a run logged (to retrain its judge).
 
 The judge is asked about the policy's samples, so it learns best from them: `policy_pairs` samples the config's
 policy along its supervised warm-up (`trainer.warmup`) — at each accuracy check, from no format to mostly right, and
@@ -58,6 +58,66 @@ def read_labelled(path: Path) -> list[Labelled]:
     return pairs
 
 
+def logged_pairs(config: PipelineConfig, paths: Sequence[Path]) -> tuple[list[Labelled], dict[str, int]]:
+    """Every sample of runs' samples logs (`samples.jsonl`) as a pair labelled by CONFIG's rule (`judge.check`, else
+    the task's reward) against its item's answer, found by the prompt's text among CONFIG's task items: the answers
+    the policy gave as RL went, which a judge trained before the run may not have seen. A pair logged n times is
+    there n times: what the policy repeats (a wrong answer the judge let through, above all) weighs as often as it
+    was tried.
+
+    Skipped and counted: samples whose reward failed (`error`), whose prompt or response the log clipped, and whose
+    prompt is not an item of CONFIG's task. The counts also give the distinct pairs, and how often the run's judge
+    said yes (`verdict` >= 0.5) to a sample the rule calls wrong. ValueError, naming the file and line, on a line
+    that is not a logged sample, and when no sample is left."""
+    from workers.config import task_spec
+    from workers.data.tasks import load_task
+    from workers.roles.step_samples import MARK
+
+    answers = {prompt_text(item.parts): item.answer for item in load_task(task_spec(config.task))}
+    counts = dict.fromkeys(("logged", "failed", "clipped", "foreign", "judged_wrong", "judge_said_yes"), 0)
+    labelled: dict[tuple[str, str, str], Labelled] = {}
+    pairs: list[Labelled] = []
+    scorer = rule_scorer(config)
+    try:
+        for path in paths:
+            if not path.is_file():
+                raise ValueError(f"samples log {path} is not a file")
+            for number, line in jsonl_lines(path, "samples log"):
+                try:
+                    row = json.loads(line)
+                    prompt, response, verdict = str(row["prompt"]), str(row["response"]), row.get("verdict")
+                    finish = str(row.get("finish_reason", "stop"))
+                except (ValueError, KeyError, TypeError) as err:
+                    problem = f"{err.__class__.__name__}: {err}"
+                    raise ValueError(f"{path}:{number}: not a logged sample ({problem})") from None
+                counts["logged"] += 1
+                if row.get("error") is not None:
+                    counts["failed"] += 1
+                elif prompt.startswith(MARK) or response.endswith(MARK):
+                    counts["clipped"] += 1
+                elif prompt not in answers or answers[prompt] is None:
+                    counts["foreign"] += 1
+                else:
+                    if (prompt, response, finish) not in labelled:
+                        reference = answers[prompt]
+                        labelled[prompt, response, finish] = Labelled(
+                            prompt, response, reference, rule_says_right(scorer, response, reference, finish)
+                        )
+                    pairs.append(pair := labelled[prompt, response, finish])
+                    if not pair.label and isinstance(verdict, int | float):
+                        counts["judged_wrong"] += 1
+                        counts["judge_said_yes"] += verdict >= 0.5
+    finally:
+        scorer.close()
+    if not pairs:
+        named = ", ".join(str(p) for p in paths)
+        raise ValueError(
+            f"no usable sample in {named} ({counts['logged']} logged: {counts['failed']} failed, {counts['clipped']} "
+            f"clipped, {counts['foreign']} not items of CONFIG's task): give the run's own config"
+        )
+    return pairs, {**counts, "distinct": len(labelled)}
+
+
 def task_pairs(items: Sequence[TaskItem], wrong_per_item: int = 4, seed: int = 0) -> list[Labelled]:
     """Labelled pairs from task items whose answers are whole numbers: the answer (right) and near misses (wrong);
     ValueError when an item's answer is not one."""
@@ -94,9 +154,10 @@ def rule_scorer(config: PipelineConfig) -> Scorer:
     return Scorer([check]) if check is not None else make_scorer_from(config)
 
 
-def rule_says_right(scorer: Scorer, response: str, reference: str | None) -> bool:
-    """Whether the rule scores `response` (a finished one) right against `reference`: a reward of at least 0.5."""
-    return scorer.score(response, reference, "stop").reward >= 0.5
+def rule_says_right(scorer: Scorer, response: str, reference: str | None, finish_reason: str = "stop") -> bool:
+    """Whether the rule scores `response` (ended as `finish_reason` says) right against `reference`: a reward of at
+    least 0.5."""
+    return scorer.score(response, reference, finish_reason).reward >= 0.5
 
 
 def contrast_pairs(pairs: Sequence[Labelled], label: Callable[[str, str | None], bool], most: int) -> list[Labelled]:

@@ -1,22 +1,26 @@
-"""`relax model judge-train CONFIG [--data LABELLED.jsonl | --task-pairs] --out DIR`: a judge model trained on
-labelled pairs.
+"""`relax model judge-train CONFIG [--data LABELLED.jsonl | --task-pairs | --samples RUN/samples.jsonl] --out DIR`:
+a judge model trained on labelled pairs.
 
 The data (`workers.launch.judge_data`): by default, on-policy samples of CONFIG's policy along its warm-up, labelled
 by the rule (`judge.check`, else the task's reward), and contrast pairs (every item against the policy's commonest
 responses); with `--data`, a JSON Lines file of `{"prompt": ..., "response": ..., "label": true|false}` (and
-optionally `"reference"`, the task's answer); with `--task-pairs`, each task item's answer and near misses. The
-judge starts from `--base`, else, with on-policy data and a warm-up, from the policy at the end of its warm-up's
-clean steps (it reads the task then: on the demo it learned to verify answers where a judge from random weights, or
-from the policy after the noisy steps, did not), else from CONFIG's `model.source`.
+optionally `"reference"`, the task's answer); with `--task-pairs`, each task item's answer and near misses; with
+`--samples`, the samples runs logged, labelled by the rule, and their contrasts: the run's judge retrained on the
+answers the policy gave under RL, those it was gamed by included, while every item is still set against the
+commonest ones (a retrain on the logged samples alone closed the hole the policy had found and opened another). The
+judge starts from `--base`, else, with `--samples`, from CONFIG's `judge.source` (the judge the run used), else,
+with on-policy data and a warm-up, from the policy at the end of its warm-up's clean steps (it reads the task then:
+on the demo it learned to verify answers where a judge from random weights, or from the policy after the noisy
+steps, did not), else from CONFIG's `model.source`.
 
 The run config's `judge` section says how the judge reads a sample (`template`, `yes_text`, `no_text`,
 `prompt_format`); the judge learns to continue the filled template with the yes or the no text (plus its EOS), by
 the supervised log-loss of those tokens only, each batch half right and half wrong pairs (so a rare label weighs as
 much as a common one and p(yes) = 0.5 stays the boundary), the learning rate decaying to a tenth along a cosine. A
-tenth of the pairs (at most 1,024) is held out: every `check_every` steps the judge's balanced agreement with the
-labels on it is measured; training stops at full agreement, or after `patience` checks without a better one when
-given, and the weights of the best check (the untrained model included) are the ones written. The output is a model
-directory like `relax export` writes, to be named as `judge.source`.
+tenth of the pairs (at most 1,024) is held out, a pair given several times wholly in or out: every `check_every`
+steps the judge's balanced agreement with the labels on it is measured; training stops at full agreement, or after
+`patience` checks without a better one when given, and the weights of the best check (the untrained model included)
+are the ones written. The output is a model directory like `relax export` writes, to be named as `judge.source`.
 """
 
 from __future__ import annotations
@@ -25,17 +29,28 @@ import copy
 import math
 import random
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from workers.config import PipelineConfig
 from workers.config.judge import JudgeConfig
+from workers.config.model_source import AnySource
 from workers.data.model_build import install_build, staging_dir
-from workers.launch.judge_data import Labelled, policy_pairs, read_labelled, task_pairs
+from workers.launch.judge_data import (
+    Labelled,
+    contrast_pairs,
+    logged_pairs,
+    policy_pairs,
+    read_labelled,
+    rule_says_right,
+    rule_scorer,
+    task_pairs,
+)
+from workers.launch.judge_defaults import JUDGE_TRAINING
 
 HELD_OUT_MAX = 1024
-"""Most pairs held out to measure the agreement on."""
+"""Most pairs held out to measure the agreement on (a pair given several times counts as often)."""
 
 
 def labelled_pairs(
@@ -45,12 +60,31 @@ def labelled_pairs(
     on_sampled: Callable[[dict[str, float]], None] | None = None,
     contrasts: int = 30,
     warmed: Path | None = None,
+    samples: Sequence[Path] = (),
 ) -> tuple[list[Labelled], str]:
-    """The pairs to train on and where they came from: `data`'s, the task's near misses (`from_task`), or on-policy
-    samples of `config`'s policy with `contrasts` contrast pairs (`workers.launch.judge_data.policy_pairs`, which
-    writes the policy at the end of its warm-up's clean steps to `warmed` when given)."""
+    """The pairs to train on and where they came from: `data`'s, the task's near misses (`from_task`), the samples
+    of runs' `samples` logs, or on-policy samples of `config`'s policy with `contrasts` contrast pairs
+    (`workers.launch.judge_data.policy_pairs`, which writes the policy at the end of its warm-up's clean steps to
+    `warmed` when given)."""
     if data is not None:
         return read_labelled(data), str(data)
+    if samples:
+        pairs, n = logged_pairs(config, samples)
+        said = f"{n['judge_said_yes']} of {n['judged_wrong']}" if n["judged_wrong"] else "none of the"
+        origin = (
+            f"the samples of {', '.join(str(p) for p in samples)}, labelled by the rule ({n['distinct']} distinct "
+            f"of {n['logged']} logged; {n['failed'] + n['clipped'] + n['foreign']} skipped: failed, clipped or not "
+            f"items of the task; the run's judge said yes to {said} wrong ones)"
+        )
+        if contrasts > 0:
+            scorer = rule_scorer(config)
+            try:
+                more = contrast_pairs(pairs, lambda response, ref: rule_says_right(scorer, response, ref), contrasts)
+            finally:
+                scorer.close()
+            pairs += more
+            origin += f", with {len(more)} contrasts of its {contrasts} commonest responses"
+        return pairs, origin
     if from_task:
         from workers.config import task_spec
         from workers.data.tasks import load_task
@@ -69,22 +103,29 @@ def build_judge(
     base: str | None = None,
     contrasts: int = 30,
     on_sampled: Callable[[dict[str, float]], None] | None = None,
+    samples: Sequence[Path] = (),
     **training: Any,
 ) -> dict[str, Any]:
-    """`relax model judge-train`: the pairs (`labelled_pairs`), then `train_judge` from `base`, else from the policy
-    at the end of its warm-up's clean steps (on-policy data with a warm-up), else from `model.source`. `training`:
-    `train_judge`'s keywords. Returns the record written beside the judge's weights."""
+    """`relax model judge-train`: the pairs (`labelled_pairs`), then `train_judge` from `base`, else from the run's
+    judge (`judge.source`) when retraining it on logged `samples`, else from the policy at the end of its warm-up's
+    clean steps (on-policy data with a warm-up), else from `model.source`. `training`: `train_judge`'s keywords.
+    Returns the record written beside the judge's weights."""
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} is not empty")  # before minutes of sampling
     if contrasts < 0:
         raise ValueError(f"contrasts must be >= 0, got {contrasts}")
+    if config.judge is None:
+        raise ValueError("the config has no judge section: it says how the judge reads a sample")
     with tempfile.TemporaryDirectory(prefix="relax-judge-policy-") as scratch:
         warmed = Path(scratch) / "policy"
-        pairs, origin = labelled_pairs(config, data, from_task, on_sampled, contrasts, warmed)
-        named = None
-        if base is None and (warmed / "config.json").is_file():
+        pairs, origin = labelled_pairs(config, data, from_task, on_sampled, contrasts, warmed, samples)
+        named, seed = None, None
+        if base is None and samples:
+            source = config.judge.source
+            base, named, seed = source, f"the run's judge ({source.shorthand()})", config.judge.seed
+        elif base is None and (warmed / "config.json").is_file():
             base, named = str(warmed), f"{config.model.source.shorthand()} after its warm-up's clean steps"
-        return train_judge(config, pairs, out, base, origin=origin, base_name=named, **training)
+        return train_judge(config, pairs, out, base, origin=origin, base_name=named, seed=seed, **training)
 
 
 def agreement(said_yes: list[bool], labels: list[bool]) -> dict[str, float]:
@@ -99,23 +140,42 @@ def agreement(said_yes: list[bool], labels: list[bool]) -> dict[str, float]:
     return {"agreement": agreed, "balanced_agreement": balanced, "false_positive_rate": fp}
 
 
+def held_out(pairs: Sequence[Labelled], rng: random.Random) -> tuple[list[Labelled], list[Labelled]]:
+    """(held out, trained on): about a tenth of `pairs` (at most `HELD_OUT_MAX`) held out, whole distinct pairs at a
+    time, so a pair given several times (a policy repeats its answers) is never both trained on and checked."""
+    by_pair: dict[Labelled, list[Labelled]] = {}
+    for pair in pairs:
+        by_pair.setdefault(pair, []).append(pair)
+    distinct = list(by_pair)
+    rng.shuffle(distinct)
+    want = min(HELD_OUT_MAX, max(1, len(pairs) // 10))
+    test: list[Labelled] = []
+    for k, pair in enumerate(distinct):
+        if len(test) >= want or k == len(distinct) - 1:  # the last distinct pair is always trained on
+            return test, [p for q in distinct[k:] for p in by_pair[q]]
+        test.extend(by_pair[pair])
+    return test, []
+
+
 def train_judge(
     config: PipelineConfig,
     pairs: list[Labelled],
     out: Path,
-    base: str | None = None,
-    steps: int = 2000,
-    lr: float = 1e-3,
+    base: AnySource | str | None = None,
+    steps: int = int(JUDGE_TRAINING["steps"]),
+    lr: float = JUDGE_TRAINING["lr"],
     batch_size: int = 64,
     check_every: int = 50,
     patience: int | None = None,
     origin: str = "",
     on_check: Callable[[dict[str, float]], None] | None = None,
     base_name: str | None = None,
+    seed: int | None = None,
 ) -> dict[str, Any]:
-    """Train a judge on `pairs` as `config.judge` reads samples, starting from `base` (default: the run's
-    `model.source`), for `steps` steps with the learning rate's cosine decay to a tenth (fewer when `patience`
-    checks in a row bring no better held-out agreement, or one is perfect), and write the best check's weights to
+    """Train a judge on `pairs` as `config.judge` reads samples, starting from `base` (a model source; default: the
+    run's `model.source`; `seed`: a source built in code is built with it, default `model.seed`), for `steps` steps
+    with the learning rate's cosine decay to a tenth (fewer when `patience` checks in a row bring no better held-out
+    agreement, or one is perfect), and write the best check's weights to
     `out` (created; refused when it holds files). Checks are compared by their balanced agreement, the mean of the
     judge's yes-rate on right pairs and its no-rate on wrong ones: with mostly wrong pairs held out, a judge saying
     no to everything would otherwise look good. Returns the record written beside the weights: base, pairs and their
@@ -134,14 +194,12 @@ def train_judge(
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} is not empty")
     cfg: JudgeConfig = config.judge
-    pairs = list(pairs)
     rng = random.Random(config.trainer.seed)
-    rng.shuffle(pairs)
-    held = min(HELD_OUT_MAX, max(1, len(pairs) // 10))
-    test, train = pairs[:held], pairs[held:]
+    test, train = held_out(pairs, rng)
+    held = len(test)
     source = as_source(base) if base is not None else config.model.source
     with tempfile.TemporaryDirectory(prefix="relax-judge-") as scratch:
-        model_dir = materialize(source, Path(scratch) / "base", config.model.seed)
+        model_dir = materialize(source, Path(scratch) / "base", config.model.seed if seed is None else seed)
         torch.manual_seed(config.trainer.seed)
         model, tokenizer = load_model(model_dir).train(), load_tokenizer(model_dir)
         judge = Judge(model, tokenizer, cfg)
@@ -167,6 +225,8 @@ def train_judge(
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.1 + 0.45 * (1 + math.cos(math.pi * k / steps)))
         first = check()
+        if on_check is not None:
+            on_check({"step": 0.0, "loss": math.nan, **first})  # the base, as the held-out pairs find it
         best: tuple[dict[str, float], int, dict[str, torch.Tensor]] = (first, 0, copy.deepcopy(model.state_dict()))
         step, stale = 0, 0
         for step in range(1, steps + 1):
