@@ -45,18 +45,8 @@ def test_warmup_writes_a_model_directory_a_teacher_can_name(tmp_path):
 
 def test_judge_train_writes_a_judge_and_refuses_bad_data_in_one_line(tmp_path):
     out = tmp_path / "judge"
-    done = relax(
-        "model",
-        "judge-train",
-        "examples/judge.yaml",
-        *SHORT,
-        "--task-pairs",
-        "--steps",
-        "4",
-        "--out",
-        str(out),
-        timeout=360,
-    )
+    judge_train = ("model", "judge-train", "examples/judge.yaml", *SHORT)
+    done = relax(*judge_train, "--task-pairs", "--steps", "4", "--out", str(out), timeout=360)
     assert done.returncode == 0, done.stderr
     assert (
         "judge step 4/4: loss" in done.stdout
@@ -73,18 +63,7 @@ def test_judge_train_writes_a_judge_and_refuses_bad_data_in_one_line(tmp_path):
     log.write_text("".join(json.dumps(r) + "\n" for r in rows))
     again = tmp_path / "judge-again"
     retrained = relax(
-        "model",
-        "judge-train",
-        "examples/judge.yaml",
-        *SHORT,
-        f"judge.source={out}",
-        "--samples",
-        str(log),
-        "--steps",
-        "2",
-        "--out",
-        str(again),
-        timeout=360,
+        *judge_train, f"judge.source={out}", "--samples", str(log), "--steps", "2", "--out", str(again), timeout=360
     )
     assert retrained.returncode == 0, retrained.stderr
     said = re.search(

@@ -323,3 +323,7 @@ def test_a_pair_given_several_times_is_held_out_whole_or_trained_on_whole():
     assert 6 <= len(test) <= 8 and not set(test) & set(train)  # about a tenth of the 60, whole pairs
     big = [Labelled(str(k), "x", None, k % 2 == 0) for k in range(20_000)]
     assert len(held_out(big, random.Random(0))[0]) == HELD_OUT_MAX
+    repeated = [Labelled("1+1=", "3", "2", False)] * 3000 + big
+    for seed in range(5):  # the pair given 3,000 times is never held out: it would pass the bound
+        test, train = held_out(repeated, random.Random(seed))
+        assert len(test) == HELD_OUT_MAX and train.count(repeated[0]) == 3000

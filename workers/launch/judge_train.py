@@ -150,11 +150,13 @@ def held_out(pairs: Sequence[Labelled], rng: random.Random) -> tuple[list[Labell
     rng.shuffle(distinct)
     want = min(HELD_OUT_MAX, max(1, len(pairs) // 10))
     test: list[Labelled] = []
-    for k, pair in enumerate(distinct):
-        if len(test) >= want or k == len(distinct) - 1:  # the last distinct pair is always trained on
-            return test, [p for q in distinct[k:] for p in by_pair[q]]
-        test.extend(by_pair[pair])
-    return test, []
+    train: list[Labelled] = []
+    for pair in distinct:
+        copies = by_pair[pair]
+        (test if len(test) < want and len(test) + len(copies) <= HELD_OUT_MAX else train).extend(copies)
+    if not train:  # one distinct pair in all: it is trained on
+        train, test = test, []
+    return test, train
 
 
 def train_judge(
@@ -175,10 +177,10 @@ def train_judge(
     """Train a judge on `pairs` as `config.judge` reads samples, starting from `base` (a model source; default: the
     run's `model.source`; `seed`: a source built in code is built with it, default `model.seed`), for `steps` steps
     with the learning rate's cosine decay to a tenth (fewer when `patience` checks in a row bring no better held-out
-    agreement, or one is perfect), and write the best check's weights to
-    `out` (created; refused when it holds files). Checks are compared by their balanced agreement, the mean of the
-    judge's yes-rate on right pairs and its no-rate on wrong ones: with mostly wrong pairs held out, a judge saying
-    no to everything would otherwise look good. Returns the record written beside the weights: base, pairs and their
+    agreement, or one is perfect), and write the best check's weights to `out` (created; refused when it holds
+    files). Checks are compared by their balanced agreement, the mean of the judge's yes-rate on right pairs and its
+    no-rate on wrong ones: with mostly wrong pairs held out, a judge saying no to everything would otherwise look
+    good. Returns the record written beside the weights: base, pairs and their
     share of right ones, steps run, the best check's agreement, balanced agreement and false-positive rate (yes on
     wrong pairs), and the held-out share of yes labels; `origin` says where the pairs came from, `base_name` what
     the base is when its path says nothing (a scratch directory)."""
@@ -214,6 +216,8 @@ def train_judge(
         right, wrong = [row(p) for p in train if p.label], [row(p) for p in train if not p.label]
         if not right or not wrong:
             raise ValueError("the labelled pairs must hold right and wrong ones: a judge learns to tell them apart")
+        if not test:
+            raise ValueError(f"no pair can be held out: each is given more than {HELD_OUT_MAX} times")
         texts = [judge_prompt(cfg.template, p.prompt, p.response, p.reference) for p in test]
 
         def check() -> dict[str, float]:
