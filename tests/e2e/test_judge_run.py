@@ -51,7 +51,9 @@ async def test_a_judged_run_trains_every_group_once_on_the_judges_verdicts(nats_
         for m in acc.metrics:
             values = m.values
             assert values["judge_error_rate"] == 0.0 and 0.0 <= values["judge_score_mean"] <= 1.0, values
-            assert {"judge_check_mean", "judge_agreement", "judge_false_positive_rate"} <= set(values), values
+            assert {"judge_check_mean", "judge_agreement", "judge_false_positive_rate", "judge_yes_on_wrong"} <= set(
+                values
+            ), values
             for logged in m.samples:  # the samples log shows what the judge was asked and what it said
                 assert logged.verdict is not None and 0.0 <= logged.verdict <= 1.0 and set(logged.checks) == {"exact"}
                 assert logged.judge_prompt is not None and logged.judge_prompt.endswith("\nverdict:"), logged

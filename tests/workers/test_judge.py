@@ -174,6 +174,7 @@ def test_the_step_reports_errors_agreement_and_false_positives_against_the_check
     assert got["judge_check_mean"] == 0.25  # over every sample with a check, the judged-out one included
     assert got["judge_agreement"] == pytest.approx(2 / 3)  # yes/right, yes/wrong, no/wrong
     assert got["judge_false_positive_rate"] == pytest.approx(1 / 3)
+    assert got["judge_yes_on_wrong"] == pytest.approx(1 / 2)  # of the two wrong samples with a verdict, one a yes
     assert judge_metrics([TrainGroup(scored=ScoredGroup(rollout=rollout, rewards=(0.0,) * 4))], "exact") == {}
     assert math.isnan(judge_metrics([TrainGroup(scored=scored)], "other")["judge_agreement"])
 

@@ -7,6 +7,8 @@ value is.
     judge_check_mean           mean of the check over the samples that have one (the true accuracy, for `exact`)
     judge_agreement            samples where the judge's yes/no equals the check's / samples with both
     judge_false_positive_rate  samples the judge says yes and the check wrong / samples with both
+    judge_yes_on_wrong         samples the judge says yes and the check wrong / samples with both, the check wrong
+                               (the false-positive rate proper: it does not shrink as the policy stops being wrong)
 """
 
 from __future__ import annotations
@@ -40,4 +42,6 @@ def judge_metrics(groups: Sequence[TrainGroup], check: str | None) -> dict[str, 
     out["judge_check_mean"] = sum(checked) / len(checked) if checked else float("nan")
     out["judge_agreement"] = sum(y == c for y, c in both) / len(both) if both else float("nan")
     out["judge_false_positive_rate"] = sum(y and not c for y, c in both) / len(both) if both else float("nan")
+    said_on_wrong = [y for y, c in both if not c]
+    out["judge_yes_on_wrong"] = sum(said_on_wrong) / len(said_on_wrong) if said_on_wrong else float("nan")
     return out
