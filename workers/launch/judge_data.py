@@ -58,7 +58,9 @@ def read_labelled(path: Path) -> list[Labelled]:
     return pairs
 
 
-def logged_pairs(config: PipelineConfig, paths: Sequence[Path]) -> tuple[list[Labelled], dict[str, int]]:
+def logged_pairs(
+    config: PipelineConfig, paths: Sequence[Path], contrasts: int = 0
+) -> tuple[list[Labelled], dict[str, int]]:
     """Every sample of runs' samples logs (`samples.jsonl`) as a pair labelled by CONFIG's rule (`judge.check`, else
     the task's reward) against its item's answer, found by the prompt's text among CONFIG's task items: the answers
     the policy gave as RL went, which a judge trained before the run may not have seen. A pair logged n times is
@@ -66,8 +68,9 @@ def logged_pairs(config: PipelineConfig, paths: Sequence[Path]) -> tuple[list[La
     was tried.
 
     Skipped and counted: samples whose reward failed (`error`), whose prompt or response the log clipped, and whose
-    prompt is not an item of CONFIG's task. The counts also give the distinct pairs, and how often the run's judge
-    said yes (`verdict` >= 0.5) to a sample the rule calls wrong. ValueError, naming the file and line, on a line
+    prompt is not an item of CONFIG's task. With `contrasts` > 0, `contrast_pairs` of them follow, labelled by the
+    same rule. The counts also give the distinct pairs, and how often the run's judge said yes (`verdict` >= 0.5) to
+    a sample the rule calls wrong. ValueError, naming the file and line, on a line
     that is not a logged sample, and when no sample is left."""
     from workers.config import task_spec
     from workers.data.tasks import load_task
@@ -107,15 +110,17 @@ def logged_pairs(config: PipelineConfig, paths: Sequence[Path]) -> tuple[list[La
                     if not pair.label and isinstance(verdict, int | float):
                         counts["judged_wrong"] += 1
                         counts["judge_said_yes"] += verdict >= 0.5
+        if not pairs:
+            named = ", ".join(str(p) for p in paths)
+            raise ValueError(
+                f"no usable sample in {named} ({counts['logged']} logged: {counts['failed']} failed, "
+                f"{counts['clipped']} clipped, {counts['foreign']} not items of CONFIG's task): give the run's own "
+                "config"
+            )
+        more = contrast_pairs(pairs, lambda r, ref: rule_says_right(scorer, r, ref), contrasts) if contrasts > 0 else []
     finally:
         scorer.close()
-    if not pairs:
-        named = ", ".join(str(p) for p in paths)
-        raise ValueError(
-            f"no usable sample in {named} ({counts['logged']} logged: {counts['failed']} failed, {counts['clipped']} "
-            f"clipped, {counts['foreign']} not items of CONFIG's task): give the run's own config"
-        )
-    return pairs, {**counts, "distinct": len(labelled)}
+    return pairs + more, {**counts, "distinct": len(labelled)}
 
 
 def task_pairs(items: Sequence[TaskItem], wrong_per_item: int = 4, seed: int = 0) -> list[Labelled]:

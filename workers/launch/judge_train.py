@@ -39,12 +39,9 @@ from workers.config.model_source import AnySource
 from workers.data.model_build import install_build, staging_dir
 from workers.launch.judge_data import (
     Labelled,
-    contrast_pairs,
     logged_pairs,
     policy_pairs,
     read_labelled,
-    rule_says_right,
-    rule_scorer,
     task_pairs,
 )
 from workers.launch.judge_defaults import JUDGE_TRAINING
@@ -69,21 +66,16 @@ def labelled_pairs(
     if data is not None:
         return read_labelled(data), str(data)
     if samples:
-        pairs, n = logged_pairs(config, samples)
+        pairs, n = logged_pairs(config, samples, contrasts)
         said = f"{n['judge_said_yes']} of {n['judged_wrong']}" if n["judged_wrong"] else "none of the"
+        skipped = n["failed"] + n["clipped"] + n["foreign"]
         origin = (
             f"the samples of {', '.join(str(p) for p in samples)}, labelled by the rule ({n['distinct']} distinct "
-            f"of {n['logged']} logged; {n['failed'] + n['clipped'] + n['foreign']} skipped: failed, clipped or not "
+            f"of {n['logged']} logged; {skipped} skipped: failed, clipped or not "
             f"items of the task; the run's judge said yes to {said} wrong ones)"
         )
-        if contrasts > 0:
-            scorer = rule_scorer(config)
-            try:
-                more = contrast_pairs(pairs, lambda response, ref: rule_says_right(scorer, response, ref), contrasts)
-            finally:
-                scorer.close()
-            pairs += more
-            origin += f", with {len(more)} contrasts of its {contrasts} commonest responses"
+        if more := len(pairs) - (n["logged"] - skipped):
+            origin += f", with {more} contrasts of its {contrasts} commonest responses"
         return pairs, origin
     if from_task:
         from workers.config import task_spec
